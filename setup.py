@@ -1,0 +1,30 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="rollout",
+    version="0.1.0",
+    description="RL rollout engine for Mixture-of-Experts models with routed-expert capture",
+    python_requires=">=3.10",
+    packages=find_packages(include=["rollout", "rollout.*", "capture", "capture.*",
+                                    "trainer_bridge", "trainer_bridge.*"]),
+    # NOTE: torch is a lower bound on purpose: GPU users bring their own CUDA build, and the
+    # scripts install the pinned CPU wheel first when no torch is present.
+    install_requires=[
+        "torch>=2.4",
+        "numpy>=1.24",
+        "safetensors>=0.4",
+        "tokenizers>=0.19",
+        "transformers>=4.56",
+        "fastapi>=0.110",
+        "uvicorn>=0.29",
+        "httpx>=0.27",
+        "pyyaml>=6.0",
+        "tqdm>=4.66",
+    ],
+    extras_require={
+        "train": ["deepspeed>=0.15", "datasets>=2.19", "wandb>=0.17"],
+        "gpu": ["flashinfer-python>=0.2", "triton>=3.0"],
+        "dev": ["pytest>=8", "hypothesis>=6.100", "pytest-timeout>=2.3", "openai>=1.30"],
+    },
+    entry_points={"console_scripts": ["rollout-serve=rollout.server:main"]},
+)
