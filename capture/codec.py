@@ -1,0 +1,385 @@
+"""Wire codecs for routed-expert ids.
+
+Routing tensor: ``[rows, num_layers, top_k]`` integer, ``-1`` = no routing (dense layers, padding).
+
+Formats (``RoutedExpertsFormat``):
+
+``int32``
+    base64 (standard alphabet) of little-endian int32, flat row-major, no header. Byte-identical
+    to SGLang's ``meta_info.routed_experts``; clients decode it with
+    ``np.frombuffer(base64.b64decode(s), np.int32).reshape(rows, num_layers, top_k)``, so
+    decoding needs ``num_layers`` and ``top_k``.
+
+``compact``
+    base64 of ``header + layer bitmap + payload``, little-endian everywhere::
+
+        offset size  field
+        0      4     magic  b"REXC"
+        4      1     version (1)
+        5      1     payload dtype code: 1 = uint8 (255 = none), 2 = int16 (-1 = none)
+        6      2     num_layers   (u16)
+        8      2     top_k        (u16)
+        10     4     rows         (u32)
+        14     8     start        (u64) absolute position of row 0 (routed_experts_start_len)
+        22     ceil(num_layers / 8)  present-layer bitmap, bit i of byte j = layer 8*j + i
+        ...    rows * len(layer_ids) * top_k * itemsize   payload [rows, len(layer_ids), top_k]
+
+    Only the layers in ``layer_ids`` (the MoE layers) are carried; every other layer decodes as
+    all -1. ``encode_routed_experts(..., layer_ids=None)`` derives the list from the tensor: the
+    layers holding any id >= 0, or all layers when there is none (``rows == 0``, or every entry
+    is -1): nothing to derive from, and the list is never empty. An explicit ``layer_ids`` must
+    be a non-empty set of ids in ``[0, num_layers)``; a layer left out of it must be all -1, else
+    ``ValueError`` (never a silent drop). Layers in ``layer_ids`` may still hold -1 entries.
+
+    NOTE: decoding expands dropped layers, so the decoded tensor is up to
+    ``4 * num_layers / len(layer_ids)`` times the payload; a non-empty layer list keeps that
+    bounded (an empty one would let a 30-byte string claim 2**32 rows).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import enum
+import struct
+from dataclasses import dataclass
+from typing import Iterable, Optional, Union
+
+import numpy as np
+import torch
+
+__all__ = [
+    "RoutedExpertsFormat",
+    "CompactHeader",
+    "encode_routed_experts",
+    "decode_routed_experts",
+    "compact_header",
+    "narrowest_dtype",
+]
+
+
+class RoutedExpertsFormat(str, enum.Enum):
+    INT32 = "int32"
+    COMPACT = "compact"
+
+    @classmethod
+    def parse(cls, fmt: Union[str, "RoutedExpertsFormat"]) -> "RoutedExpertsFormat":
+        try:
+            return cls(fmt)
+        except ValueError:
+            allowed = [f.value for f in cls]
+            raise ValueError(
+                f"routed_experts_format must be one of {allowed}, got {fmt!r}"
+            ) from None
+
+
+@dataclass(frozen=True)
+class CompactHeader:
+    rows: int
+    num_layers: int
+    top_k: int
+    dtype: torch.dtype
+    layer_ids: tuple[int, ...]
+    start: int
+
+    @property
+    def header_bytes(self) -> int:
+        return _FIXED.size + _bitmap_len(self.num_layers)
+
+    @property
+    def payload_bytes(self) -> int:
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        return self.rows * len(self.layer_ids) * self.top_k * itemsize
+
+
+_MAGIC = b"REXC"
+_VERSION = 1
+_FIXED = struct.Struct("<4sBBHHIQ")  # magic, version, dtype code, num_layers, top_k, rows, start
+_CODE_TO_DTYPE = {1: torch.uint8, 2: torch.int16}
+_DTYPE_TO_CODE = {v: k for k, v in _CODE_TO_DTYPE.items()}
+_NP_DTYPE = {torch.uint8: np.dtype("u1"), torch.int16: np.dtype("<i2")}
+_U8_NONE = 255
+_MAX_U16 = 0xFFFF
+_MAX_U32 = 0xFFFFFFFF
+_MAX_U64 = 0xFFFFFFFFFFFFFFFF
+_I32 = np.iinfo(np.int32)
+
+
+def narrowest_dtype(num_experts: int) -> torch.dtype:
+    """uint8 when ids 0..num_experts-1 leave 255 free as the sentinel, else int16 (-1 sentinel)."""
+    if isinstance(num_experts, bool) or not isinstance(num_experts, (int, np.integer)):
+        raise ValueError(f"num_experts must be an int, got {num_experts!r}")
+    if num_experts < 1:
+        raise ValueError(f"num_experts must be >= 1, got {num_experts}")
+    if num_experts <= 255:
+        return torch.uint8
+    if num_experts <= 32767:
+        return torch.int16
+    raise ValueError(f"num_experts={num_experts} exceeds 32767, the most the int16 wire dtype holds")
+
+
+# ---------------------------------------------------------------------------------------- encode
+
+
+def encode_routed_experts(
+    routed_experts: torch.Tensor,
+    fmt: Union[str, RoutedExpertsFormat] = "int32",
+    *,
+    num_experts: Optional[int] = None,
+    start: int = 0,
+    layer_ids: Optional[Iterable[int]] = None,
+) -> str:
+    """Encode ``[rows, num_layers, top_k]`` expert ids (-1 = none) to an ASCII base64 str.
+
+    ``num_experts`` is required for ``compact`` (it picks the payload dtype) and optional for
+    ``int32`` (ids are range-checked against it when given). ``start`` and ``layer_ids`` are
+    carried by ``compact`` only; ``int32`` has nowhere to put them and ignores them.
+    """
+    fmt = RoutedExpertsFormat.parse(fmt)
+    arr = _as_numpy(routed_experts)  # [rows, num_layers, top_k]
+    if fmt is RoutedExpertsFormat.INT32:
+        if num_experts is not None:
+            _check_positive(num_experts=num_experts)
+        _check_ids(arr, num_experts)
+        return _b64(np.ascontiguousarray(arr, dtype="<i4"))
+
+    if num_experts is None:
+        raise ValueError("num_experts is required for routed_experts_format='compact'")
+    dtype = narrowest_dtype(num_experts)
+    _check_ids(arr, num_experts)
+    rows, num_layers, top_k = arr.shape
+    if rows > _MAX_U32 or num_layers > _MAX_U16 or top_k > _MAX_U16:
+        raise ValueError(
+            f"routed experts shape {tuple(arr.shape)} too large for the compact header "
+            f"(rows <= {_MAX_U32}, num_layers and top_k <= {_MAX_U16})"
+        )
+    if isinstance(start, bool) or not isinstance(start, (int, np.integer)) or not 0 <= start <= _MAX_U64:
+        raise ValueError(f"start (routed_experts_start_len) must be an int >= 0, got {start!r}")
+
+    present = _present_mask(arr, layer_ids)  # [num_layers] bool
+    payload = arr if present.all() else arr[:, _layer_index(present), :]  # [rows, n_present, top_k]
+    # NOTE: the uint8 cast wraps -1 to 255, the sentinel; ids are range-checked above.
+    payload = np.ascontiguousarray(payload.astype(_NP_DTYPE[dtype], copy=False))
+    header = _FIXED.pack(_MAGIC, _VERSION, _DTYPE_TO_CODE[dtype], num_layers, top_k, rows, int(start))
+    bitmap = np.packbits(present, bitorder="little").tobytes()
+    return base64.b64encode(header + bitmap + payload.tobytes()).decode("ascii")
+
+
+def _as_numpy(t) -> np.ndarray:
+    if isinstance(t, torch.Tensor):
+        if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+            raise ValueError(f"routed experts must be an integer tensor, got {t.dtype}")
+        arr = t.detach().cpu().numpy()
+    elif isinstance(t, np.ndarray):
+        if t.dtype.kind not in "iu":
+            raise ValueError(f"routed experts must be an integer array, got {t.dtype}")
+        arr = t
+    else:
+        raise ValueError(f"routed experts must be a torch.Tensor, got {type(t).__name__}")
+    if arr.ndim != 3:
+        raise ValueError(
+            f"routed experts must have shape [rows, num_layers, top_k], got {tuple(arr.shape)}"
+        )
+    if arr.shape[1] == 0 or arr.shape[2] == 0:
+        raise ValueError(f"routed experts need num_layers >= 1 and top_k >= 1, got {tuple(arr.shape)}")
+    return arr
+
+
+def _check_ids(arr: np.ndarray, num_experts: Optional[int]) -> None:
+    hi = int(_I32.max) if num_experts is None else min(int(num_experts) - 1, int(_I32.max))
+    if arr.size == 0:
+        return
+    lo_v, hi_v = int(arr.min()), int(arr.max())
+    if lo_v >= -1 and hi_v <= hi:
+        return
+    bad_v = lo_v if lo_v < -1 else hi_v
+    where = tuple(int(i) for i in np.argwhere(arr == bad_v)[0])
+    bound = f"num_experts={num_experts}" if num_experts is not None else "int32"
+    raise ValueError(
+        f"routed expert id {bad_v} at [row, layer, slot]={list(where)} is out of range "
+        f"[-1, {hi}] ({bound}; -1 means no routing)"
+    )
+
+
+def _present_mask(arr: np.ndarray, layer_ids: Optional[Iterable[int]]) -> np.ndarray:
+    rows, num_layers, _ = arr.shape
+    if layer_ids is None:
+        mask = (arr >= 0).any(axis=(0, 2)) if rows else np.zeros(num_layers, dtype=bool)
+        return mask if mask.any() else np.ones(num_layers, dtype=bool)
+    ids = list(layer_ids)
+    if not ids:
+        raise ValueError("layer_ids must name at least one layer")
+    mask = np.zeros(num_layers, dtype=bool)
+    for i in ids:
+        if isinstance(i, bool) or not isinstance(i, (int, np.integer)) or not 0 <= i < num_layers:
+            raise ValueError(f"layer_ids entry {i!r} is not a layer id in [0, {num_layers})")
+        if mask[i]:
+            raise ValueError(f"layer_ids has layer {i} twice")
+        mask[i] = True
+    if rows and not mask.all():
+        routed = (arr[:, ~mask, :] >= 0).any(axis=(0, 2))
+        if routed.any():
+            dropped = np.flatnonzero(~mask)[routed].tolist()
+            raise ValueError(
+                f"layers {dropped} hold expert ids but are not in layer_ids; "
+                "only all -1 (dense) layers may be left out"
+            )
+    return mask
+
+
+def _layer_index(mask: np.ndarray) -> Union[slice, np.ndarray]:
+    ids = np.flatnonzero(mask)
+    if len(ids) and ids[-1] - ids[0] + 1 == len(ids):
+        return slice(int(ids[0]), int(ids[-1]) + 1)  # a view, not a gather copy
+    return ids
+
+
+def _b64(arr: np.ndarray) -> str:
+    return base64.b64encode(arr.reshape(-1).view(np.uint8)).decode("ascii")
+
+
+# ---------------------------------------------------------------------------------------- decode
+
+
+def decode_routed_experts(
+    s: Union[str, bytes],
+    fmt: Union[str, RoutedExpertsFormat] = "int32",
+    *,
+    num_layers: Optional[int] = None,
+    top_k: Optional[int] = None,
+) -> torch.Tensor:
+    """Decode to a ``torch.int32`` tensor ``[rows, num_layers, top_k]`` with -1 restored.
+
+    ``int32`` needs ``num_layers`` and ``top_k``; for ``compact`` they are optional and, when
+    given, must match the header.
+    """
+    fmt = RoutedExpertsFormat.parse(fmt)
+    raw = _unb64(s)
+    if fmt is RoutedExpertsFormat.INT32:
+        if num_layers is None or top_k is None:
+            raise ValueError("decoding routed_experts_format='int32' needs num_layers and top_k")
+        _check_positive(num_layers=num_layers, top_k=top_k)
+        row_bytes = 4 * num_layers * top_k
+        if len(raw) % row_bytes:
+            raise ValueError(
+                f"int32 routed experts: {len(raw)} bytes is not a multiple of "
+                f"4 * num_layers * top_k = {row_bytes}"
+            )
+        out = np.frombuffer(raw, dtype="<i4").astype(np.int32)  # copy: writable, native order
+        return torch.from_numpy(out.reshape(-1, num_layers, top_k))
+
+    info = _parse_header(raw, len(raw))
+    for name, want, got in (("num_layers", num_layers, info.num_layers), ("top_k", top_k, info.top_k)):
+        if want is not None and want != got:
+            raise ValueError(f"compact routed experts carry {name}={got}, caller expected {want}")
+    n_present = len(info.layer_ids)
+    payload = np.frombuffer(
+        raw, dtype=_NP_DTYPE[info.dtype], count=info.rows * n_present * info.top_k,
+        offset=info.header_bytes,
+    )
+    payload = payload.reshape(info.rows, n_present, info.top_k)  # [rows, n_present, top_k]
+    vals = payload.astype(np.int32)
+    if info.dtype == torch.uint8:
+        vals[payload == _U8_NONE] = -1
+    elif vals.size and int(vals.min()) < -1:
+        raise ValueError(f"compact routed experts: int16 payload holds id {int(vals.min())} < -1")
+    if n_present == info.num_layers:
+        out = vals
+    else:
+        present = np.zeros(info.num_layers, dtype=bool)
+        present[list(info.layer_ids)] = True
+        out = np.empty((info.rows, info.num_layers, info.top_k), dtype=np.int32)
+        out[:, _layer_index(~present), :] = -1
+        out[:, _layer_index(present), :] = vals
+    return torch.from_numpy(out)
+
+
+def compact_header(s: Union[str, bytes]) -> CompactHeader:
+    """Parse a compact string's header, decoding only its first bytes.
+
+    The total length is checked from the base64 length; the payload's characters are not
+    validated here (``decode_routed_experts`` does that).
+    """
+    if isinstance(s, (bytes, bytearray, memoryview)):
+        try:
+            s = bytes(s).decode("ascii")
+        except UnicodeDecodeError:
+            raise ValueError("routed experts must be ASCII base64") from None
+    if not isinstance(s, str):
+        raise ValueError(f"routed experts must be a base64 str, got {type(s).__name__}")
+    n = len(s)
+    if n % 4:
+        raise ValueError(f"routed experts base64 length {n} is not a multiple of 4")
+    total = n // 4 * 3 - (2 if s.endswith("==") else 1 if s.endswith("=") else 0)
+    fixed_chars = -(-_FIXED.size // 3) * 4
+    head = _unb64(s[:fixed_chars])
+    if len(head) < _FIXED.size:
+        _parse_header(head, total)  # raises: truncated
+    bitmap_len = _bitmap_len(_FIXED.unpack_from(head)[3])
+    need = _FIXED.size + bitmap_len
+    return _parse_header(_unb64(s[: -(-need // 3) * 4]), total)
+
+
+def _parse_header(raw: bytes, total: int) -> CompactHeader:
+    if len(raw) < _FIXED.size:
+        raise ValueError(
+            f"compact routed experts: {len(raw)} bytes is shorter than the {_FIXED.size}-byte header"
+        )
+    magic, version, code, num_layers, top_k, rows, start = _FIXED.unpack_from(raw)
+    if magic != _MAGIC:
+        raise ValueError(f"compact routed experts: bad magic {magic!r}, expected {_MAGIC!r}")
+    if version != _VERSION:
+        raise ValueError(f"compact routed experts: unsupported version {version}, expected {_VERSION}")
+    if code not in _CODE_TO_DTYPE:
+        raise ValueError(f"compact routed experts: unknown payload dtype code {code}")
+    if num_layers == 0 or top_k == 0:
+        raise ValueError(f"compact routed experts: num_layers={num_layers}, top_k={top_k} must be >= 1")
+    bitmap_len = _bitmap_len(num_layers)
+    if len(raw) < _FIXED.size + bitmap_len:
+        raise ValueError("compact routed experts: truncated layer bitmap")
+    bits = np.unpackbits(
+        np.frombuffer(raw, dtype=np.uint8, count=bitmap_len, offset=_FIXED.size), bitorder="little"
+    )
+    if bits[num_layers:].any():
+        raise ValueError("compact routed experts: layer bitmap has bits past num_layers")
+    if not bits.any():
+        raise ValueError("compact routed experts: layer bitmap names no layer")
+    info = CompactHeader(
+        rows=rows,
+        num_layers=num_layers,
+        top_k=top_k,
+        dtype=_CODE_TO_DTYPE[code],
+        layer_ids=tuple(np.flatnonzero(bits[:num_layers]).tolist()),
+        start=start,
+    )
+    expected = info.header_bytes + info.payload_bytes
+    if total != expected:
+        raise ValueError(
+            f"compact routed experts: {total} bytes, header says {expected} "
+            f"(rows={rows}, {len(info.layer_ids)} of {num_layers} layers, top_k={top_k}, {info.dtype})"
+        )
+    return info
+
+
+def _unb64(s: Union[str, bytes]) -> bytes:
+    if isinstance(s, str):
+        try:
+            s = s.encode("ascii")
+        except UnicodeEncodeError:
+            raise ValueError("routed experts must be ASCII base64") from None
+    elif not isinstance(s, (bytes, bytearray, memoryview)):
+        raise ValueError(f"routed experts must be a base64 str, got {type(s).__name__}")
+    try:
+        return base64.b64decode(s, validate=True)
+    except (binascii.Error, ValueError) as e:
+        raise ValueError(f"routed experts are not valid base64: {e}") from None
+
+
+def _bitmap_len(num_layers: int) -> int:
+    return (num_layers + 7) // 8
+
+
+def _check_positive(**kw: int) -> None:
+    for name, v in kw.items():
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {v!r}")
