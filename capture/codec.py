@@ -15,8 +15,8 @@ Formats (``RoutedExpertsFormat``):
 
         offset size  field
         0      4     magic  b"REXC"
-        4      1     version (1)
-        5      1     payload dtype code: 1 = uint8 (255 = none), 2 = int16 (-1 = none)
+        4      1     version (2)
+        5      1     payload dtype code (table below)
         6      2     num_layers   (u16)
         8      2     top_k        (u16)
         10     4     rows         (u32)
@@ -30,6 +30,29 @@ Formats (``RoutedExpertsFormat``):
     is -1): nothing to derive from, and the list is never empty. An explicit ``layer_ids`` must
     be a non-empty set of ids in ``[0, num_layers)``; a layer left out of it must be all -1, else
     ``ValueError`` (never a silent drop). Layers in ``layer_ids`` may still hold -1 entries.
+
+    The payload dtype is chosen per message, from ``num_experts`` and the carried payload
+    (the layers in the bitmap only), first rule that applies::
+
+        code  dtype  "none" (-1) stored as   chosen when
+        3     uint8  (no sentinel)           num_experts <= 256 and the payload holds no -1
+        1     uint8  255                     num_experts <= 255 (payload holds -1)
+        2     int16  -1                      otherwise (num_experts <= 32768)
+
+    Code 3 is preferred whenever it applies, also for <= 255 experts: in MoE layers every real
+    token has ``top_k`` valid ids and dense layers are dropped through the bitmap, so the
+    sentinel is usually not needed, and 256-expert models (DeepSeek-V3) fit one byte per id.
+    A -1 inside a carried layer (padding rows, an all -1 tensor, an explicit ``layer_ids`` entry
+    for an all -1 layer) moves a 256-expert message to int16. Decoders must read the code byte:
+    the same uint8 byte 255 is id 255 under code 3 and "none" under code 1.
+    ``CompactHeader.dtype`` is the payload dtype (uint8 for codes 1 and 3).
+
+    Version 1 (codes 1 and 2 only, so 256 experts always went to int16) is rejected on decode.
+
+    ``narrowest_dtype(num_experts)`` is a different thing: the dtype that holds every id *plus*
+    a sentinel, whatever the data (uint8 up to 255 experts, int16 up to 32768). The host store
+    uses it, since it must be able to hold "none" in any slot; the wire format can look at the
+    data it carries and drop the sentinel when no entry needs it.
 
     NOTE: decoding expands dropped layers, so the decoded tensor is up to
     ``4 * num_layers / len(layer_ids)`` times the payload; a non-empty layer list keeps that
@@ -93,10 +116,12 @@ class CompactHeader:
 
 
 _MAGIC = b"REXC"
-_VERSION = 1
+_VERSION = 2
 _FIXED = struct.Struct("<4sBBHHIQ")  # magic, version, dtype code, num_layers, top_k, rows, start
-_CODE_TO_DTYPE = {1: torch.uint8, 2: torch.int16}
-_DTYPE_TO_CODE = {v: k for k, v in _CODE_TO_DTYPE.items()}
+_CODE_U8_NONE = 1  # uint8, 255 = none
+_CODE_I16 = 2  # int16, -1 = none
+_CODE_U8 = 3  # uint8, no sentinel: ids 0..255
+_CODE_TO_DTYPE = {_CODE_U8_NONE: torch.uint8, _CODE_I16: torch.int16, _CODE_U8: torch.uint8}
 _NP_DTYPE = {torch.uint8: np.dtype("u1"), torch.int16: np.dtype("<i2")}
 _U8_NONE = 255
 _MAX_U16 = 0xFFFF
@@ -106,16 +131,24 @@ _I32 = np.iinfo(np.int32)
 
 
 def narrowest_dtype(num_experts: int) -> torch.dtype:
-    """uint8 when ids 0..num_experts-1 leave 255 free as the sentinel, else int16 (-1 sentinel)."""
+    """Dtype holding ids ``0..num_experts-1`` plus a "none" sentinel, whatever the data.
+
+    uint8 when the ids leave 255 free as the sentinel (``num_experts <= 255``), else int16 with
+    -1 as the sentinel (``num_experts <= 32768``). Used by the host store. The compact wire
+    format picks its own payload dtype per message and may use uint8 with no sentinel for 256
+    experts (see the module docstring).
+    """
     if isinstance(num_experts, bool) or not isinstance(num_experts, (int, np.integer)):
         raise ValueError(f"num_experts must be an int, got {num_experts!r}")
     if num_experts < 1:
         raise ValueError(f"num_experts must be >= 1, got {num_experts}")
     if num_experts <= 255:
         return torch.uint8
-    if num_experts <= 32767:
+    if num_experts <= 32768:
         return torch.int16
-    raise ValueError(f"num_experts={num_experts} exceeds 32767, the most the int16 wire dtype holds")
+    raise ValueError(
+        f"num_experts={num_experts} exceeds 32768, the most int16 holds with a -1 sentinel"
+    )
 
 
 # ---------------------------------------------------------------------------------------- encode
@@ -131,9 +164,10 @@ def encode_routed_experts(
 ) -> str:
     """Encode ``[rows, num_layers, top_k]`` expert ids (-1 = none) to an ASCII base64 str.
 
-    ``num_experts`` is required for ``compact`` (it picks the payload dtype) and optional for
-    ``int32`` (ids are range-checked against it when given). ``start`` and ``layer_ids`` are
-    carried by ``compact`` only; ``int32`` has nowhere to put them and ignores them.
+    ``num_experts`` is required for ``compact`` (with the carried data, it picks the payload
+    dtype) and optional for ``int32`` (ids are range-checked against it when given). ``start``
+    and ``layer_ids`` are carried by ``compact`` only; ``int32`` has nowhere to put them and
+    ignores them.
     """
     fmt = RoutedExpertsFormat.parse(fmt)
     arr = _as_numpy(routed_experts)  # [rows, num_layers, top_k]
@@ -145,7 +179,7 @@ def encode_routed_experts(
 
     if num_experts is None:
         raise ValueError("num_experts is required for routed_experts_format='compact'")
-    dtype = narrowest_dtype(num_experts)
+    narrowest_dtype(num_experts)  # validates num_experts
     _check_ids(arr, num_experts)
     rows, num_layers, top_k = arr.shape
     if rows > _MAX_U32 or num_layers > _MAX_U16 or top_k > _MAX_U16:
@@ -158,11 +192,22 @@ def encode_routed_experts(
 
     present = _present_mask(arr, layer_ids)  # [num_layers] bool
     payload = arr if present.all() else arr[:, _layer_index(present), :]  # [rows, n_present, top_k]
-    # NOTE: the uint8 cast wraps -1 to 255, the sentinel; ids are range-checked above.
-    payload = np.ascontiguousarray(payload.astype(_NP_DTYPE[dtype], copy=False))
-    header = _FIXED.pack(_MAGIC, _VERSION, _DTYPE_TO_CODE[dtype], num_layers, top_k, rows, int(start))
+    code = _payload_code(payload, int(num_experts))
+    # NOTE: under code 1 the uint8 cast wraps -1 to 255, the sentinel; under code 3 there is no
+    # -1 and ids are <= 255. Ids are range-checked above.
+    payload = np.ascontiguousarray(payload.astype(_NP_DTYPE[_CODE_TO_DTYPE[code]], copy=False))
+    header = _FIXED.pack(_MAGIC, _VERSION, code, num_layers, top_k, rows, int(start))
     bitmap = np.packbits(present, bitorder="little").tobytes()
     return base64.b64encode(header + bitmap + payload.tobytes()).decode("ascii")
+
+
+def _payload_code(payload: np.ndarray, num_experts: int) -> int:
+    """The module docstring's table: uint8 without sentinel when it fits, else with, else int16."""
+    if num_experts > 256:
+        return _CODE_I16
+    if payload.size == 0 or int(payload.min()) >= 0:
+        return _CODE_U8
+    return _CODE_U8_NONE if num_experts <= 255 else _CODE_I16
 
 
 def _as_numpy(t) -> np.ndarray:
@@ -268,7 +313,7 @@ def decode_routed_experts(
         out = np.frombuffer(raw, dtype="<i4").astype(np.int32)  # copy: writable, native order
         return torch.from_numpy(out.reshape(-1, num_layers, top_k))
 
-    info = _parse_header(raw, len(raw))
+    info, code = _parse_header_code(raw, len(raw))
     for name, want, got in (("num_layers", num_layers, info.num_layers), ("top_k", top_k, info.top_k)):
         if want is not None and want != got:
             raise ValueError(f"compact routed experts carry {name}={got}, caller expected {want}")
@@ -279,7 +324,7 @@ def decode_routed_experts(
     )
     payload = payload.reshape(info.rows, n_present, info.top_k)  # [rows, n_present, top_k]
     vals = payload.astype(np.int32)
-    if info.dtype == torch.uint8:
+    if code == _CODE_U8_NONE:
         vals[payload == _U8_NONE] = -1
     elif vals.size and int(vals.min()) < -1:
         raise ValueError(f"compact routed experts: int16 payload holds id {int(vals.min())} < -1")
@@ -321,6 +366,10 @@ def compact_header(s: Union[str, bytes]) -> CompactHeader:
 
 
 def _parse_header(raw: bytes, total: int) -> CompactHeader:
+    return _parse_header_code(raw, total)[0]
+
+
+def _parse_header_code(raw: bytes, total: int) -> tuple[CompactHeader, int]:
     if len(raw) < _FIXED.size:
         raise ValueError(
             f"compact routed experts: {len(raw)} bytes is shorter than the {_FIXED.size}-byte header"
@@ -358,7 +407,7 @@ def _parse_header(raw: bytes, total: int) -> CompactHeader:
             f"compact routed experts: {total} bytes, header says {expected} "
             f"(rows={rows}, {len(info.layer_ids)} of {num_layers} layers, top_k={top_k}, {info.dtype})"
         )
-    return info
+    return info, code
 
 
 def _unb64(s: Union[str, bytes]) -> bytes:

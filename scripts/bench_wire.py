@@ -3,12 +3,15 @@
     python scripts/bench_wire.py [--tokens 4096] [--repeats 7] [--json PATH]
 
 Throughput is MB/s of raw int32 routing data (rows * num_layers * top_k * 4 bytes), best of
-``--repeats``. Host-store bytes per KV slot use ``narrowest_dtype(num_experts)``.
+``--repeats``. Host-store bytes per KV slot use ``narrowest_dtype(num_experts)`` (ids plus a
+sentinel); the compact payload dtype is chosen per message (code 3 = uint8 without sentinel,
+1 = uint8 with 255 = none, 2 = int16; see ``capture/codec.py``), shown as "dtype (code)".
 """
 
 from __future__ import annotations
 
 import argparse
+import base64
 import json
 import os
 import sys
@@ -20,7 +23,12 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from capture.codec import decode_routed_experts, encode_routed_experts, narrowest_dtype  # noqa: E402
+from capture.codec import (  # noqa: E402
+    compact_header,
+    decode_routed_experts,
+    encode_routed_experts,
+    narrowest_dtype,
+)
 
 
 @dataclass(frozen=True)
@@ -78,6 +86,9 @@ def bench(shape: Shape, tokens: int, repeats: int) -> dict:
         row[f"{fmt}_encode_MBps"] = raw_mb / enc
         row[f"{fmt}_decode_MBps"] = raw_mb / dec
         row[f"{fmt}_roundtrip_MBps"] = raw_mb / (enc + dec)
+        if fmt == "compact":
+            row["compact_dtype"] = str(compact_header(s).dtype).replace("torch.", "")
+            row["compact_code"] = base64.b64decode(s[:8])[5]
     row["compact_over_int32"] = row["compact_bytes_per_token"] / row["int32_bytes_per_token"]
     dt = narrowest_dtype(E)
     row["host_dtype"] = str(dt).replace("torch.", "")
@@ -93,6 +104,7 @@ def print_table(rows: list[dict]) -> None:
         ("int32 B/tok", "int32_bytes_per_token", "{:.1f}"),
         ("compact B/tok", "compact_bytes_per_token", "{:.1f}"),
         ("ratio", "compact_over_int32", "{:.3f}"),
+        ("compact dtype", None, None),
         ("int32 enc/dec/rt MB/s", None, None),
         ("compact enc/dec/rt MB/s", None, None),
         ("host B/slot", None, None),
@@ -106,6 +118,8 @@ def print_table(rows: list[dict]) -> None:
             elif title.endswith("MB/s"):
                 p = title.split()[0]
                 cells.append("/".join(f"{r[f'{p}_{k}_MBps']:.0f}" for k in ("encode", "decode", "roundtrip")))
+            elif title == "compact dtype":
+                cells.append(f"{r['compact_dtype']} ({r['compact_code']})")
             elif title == "host B/slot":
                 cells.append(f"{r['host_bytes_per_slot']} ({r['host_dtype']})")
             else:

@@ -42,6 +42,17 @@ def routings(draw):
     return t, num_experts, sorted(dense)
 
 
+def expected_code(t, layer_ids, num_experts):
+    """The compact payload dtype code the module docstring's table picks (3, then 1, then 2)."""
+    has_none = bool((t.numpy()[:, list(layer_ids), :] < 0).any())
+    if num_experts <= 256 and not has_none:
+        return 3
+    return 1 if num_experts <= 255 else 2
+
+
+CODE_DTYPE = {1: torch.uint8, 2: torch.int16, 3: torch.uint8}
+
+
 # ----------------------------------------------------------------------------------------- int32
 
 
@@ -105,23 +116,46 @@ def test_compact_round_trip(case, start, explicit_layers):
     info = compact_header(s)
     assert isinstance(info, CompactHeader)
     assert (info.rows, info.num_layers, info.top_k, info.start) == (rows, num_layers, top_k, start)
-    assert info.dtype == narrowest_dtype(num_experts)
     if explicit_layers:
         assert info.layer_ids == tuple(moe)
     else:
         derived = tuple(np.flatnonzero((t.numpy() >= 0).any(axis=(0, 2))).tolist())
         assert info.layer_ids == (derived or tuple(range(num_layers)))
+    code = base64.b64decode(s)[5]
+    assert code == expected_code(t, info.layer_ids, num_experts)
+    assert info.dtype == CODE_DTYPE[code]
     assert len(base64.b64decode(s)) == info.header_bytes + info.payload_bytes
     assert decode_routed_experts(s, "compact", num_layers=num_layers, top_k=top_k).shape == t.shape
 
 
+@FAST
+@given(st.integers(0, 48), st.integers(1, 12), st.integers(1, 8), st.sets(st.integers(0, 11)),
+       st.sampled_from(["none", "pad", "dense_in_layer_ids"]), st.integers(0, 2**32 - 1))
+def test_compact_256_experts_round_trip(rows, num_layers, top_k, dense, minus_one, seed):
+    # 256 experts: uint8 without sentinel unless a carried layer holds -1, then int16.
+    dense = sorted(d for d in dense if d < num_layers)
+    t = make_routing(seed, rows, num_layers, top_k, 256, dense,
+                     pad_frac=0.2 if minus_one == "pad" else 0.0)
+    if rows:
+        t[rows // 2, num_layers - 1, top_k - 1] = 255  # the byte code 1 would read as "none"
+    layer_ids = list(range(num_layers)) if minus_one == "dense_in_layer_ids" else None
+    s = encode_routed_experts(t, "compact", num_experts=256, layer_ids=layer_ids)
+    info = compact_header(s)
+    code = base64.b64decode(s)[5]
+    assert code == expected_code(t, info.layer_ids, 256)
+    has_none = bool((t.numpy()[:, list(info.layer_ids)] < 0).any())
+    assert (code, info.dtype) == ((2, torch.int16) if has_none else (3, torch.uint8))
+    assert torch.equal(decode_routed_experts(s, "compact"), t.int())
+
+
 def test_compact_dense_layers_dropped_and_restored():
-    # DeepSeek-V3-like: first 3 layers dense.
+    # DeepSeek-V3-like: first 3 layers dense, 256 experts, no -1 in the MoE layers: uint8.
     t = make_routing(2, 10, 8, 4, 256, dense=[0, 1, 2])
+    t[3, 5, 1] = 255
     s = encode_routed_experts(t, fmt="compact", num_experts=256, start=5)
     info = compact_header(s)
-    assert info.layer_ids == (3, 4, 5, 6, 7) and info.dtype == torch.int16 and info.start == 5
-    assert info.payload_bytes == 10 * 5 * 4 * 2
+    assert info.layer_ids == (3, 4, 5, 6, 7) and info.dtype == torch.uint8 and info.start == 5
+    assert info.payload_bytes == 10 * 5 * 4 * 1
     out = decode_routed_experts(s, fmt="compact")
     assert (out[:, :3] == -1).all() and torch.equal(out, t.int())
 
@@ -145,24 +179,55 @@ def test_compact_all_minus_one_keeps_all_layers():
     assert compact_header(s).layer_ids == (0, 1, 2)
 
 
-def test_compact_uint8_sentinel_boundaries():
-    t = torch.tensor([[[254, -1], [0, 253]]])
-    s = encode_routed_experts(t, "compact", num_experts=255)
-    assert compact_header(s).dtype == torch.uint8
+@pytest.mark.parametrize("rows,num_experts,code", [
+    ([[[254, -1], [0, 253]]], 255, 1),  # -1 carried, 255 free: uint8 with sentinel
+    ([[[254, 7], [0, 253]]], 255, 3),  # no -1: uint8 without sentinel, also below 256 experts
+    ([[[255, 0], [1, 254]]], 256, 3),  # id 255 is an id, not "none"
+    ([[[255, -1], [1, 254]]], 256, 2),  # 256 experts and a -1: int16
+    ([[[255, -1], [0, 32766]]], 32767, 2),
+    ([[[32767, 0], [0, 255]]], 32768, 2),  # largest id int16 holds next to the -1 sentinel
+    ([[[32767, -1], [0, 255]]], 32768, 2),
+    ([[[0, 1], [2, 3]]], 257, 2),  # > 256 experts: int16 even when ids are small
+])
+def test_compact_dtype_code_boundaries(rows, num_experts, code):
+    t = torch.tensor(rows)
+    s = encode_routed_experts(t, "compact", num_experts=num_experts)
+    raw = base64.b64decode(s)
+    assert raw[5] == code and compact_header(s).dtype == CODE_DTYPE[code]
     assert torch.equal(decode_routed_experts(s, "compact"), t.int())
-    t = torch.tensor([[[255, -1], [0, 32766]]])
-    s = encode_routed_experts(t, "compact", num_experts=32767)
-    assert compact_header(s).dtype == torch.int16
-    assert torch.equal(decode_routed_experts(s, "compact"), t.int())
+
+
+def test_compact_uint8_byte_255_depends_on_code():
+    # Same payload bytes, different code byte: 255 is id 255 under code 3, "none" under code 1.
+    head = lambda code: struct.pack("<4sBBHHIQ", b"REXC", 2, code, 1, 2, 1, 0) + b"\x01"
+    for code, want in ((3, [255, 7]), (1, [-1, 7])):
+        s = base64.b64encode(head(code) + bytes([255, 7])).decode()
+        assert decode_routed_experts(s, "compact").tolist() == [[want]]
 
 
 def test_compact_header_layout_little_endian():
-    t = make_routing(4, 3, 10, 2, 8, dense=[9])
-    raw = base64.b64decode(encode_routed_experts(t, "compact", num_experts=8, start=0x0102030405))
+    # code 3: uint8, no sentinel (256 experts, id 255 carried as byte 255).
+    t = make_routing(4, 3, 10, 2, 256, dense=[9])
+    t[0, 0, 0] = 255
+    raw = base64.b64decode(encode_routed_experts(t, "compact", num_experts=256, start=0x0102030405))
     magic, version, code, num_layers, top_k, rows, start = struct.unpack_from("<4sBBHHIQ", raw)
-    assert (magic, version, code, num_layers, top_k, rows, start) == (b"REXC", 1, 1, 10, 2, 3, 0x0102030405)
+    assert (magic, version, code, num_layers, top_k, rows, start) == (b"REXC", 2, 3, 10, 2, 3, 0x0102030405)
+    assert raw[:22] == b"REXC\x02\x03\x0a\x00\x02\x00\x03\x00\x00\x00\x05\x04\x03\x02\x01\x00\x00\x00"
     assert raw[22:24] == bytes([0xFF, 0x01])  # layers 0..8 present, bit i = layer i
-    assert raw[24:] == t[:, :9].numpy().astype(np.uint8).tobytes()
+    assert raw[24:] == t[:, :9].numpy().astype(np.uint8).tobytes() and raw[24] == 255
+    assert len(raw) == 24 + 3 * 9 * 2
+
+    # code 1: uint8, 255 = none (a -1 in a carried layer, <= 255 experts).
+    t = torch.tensor([[[3, -1]], [[-1, 254]]])
+    raw = base64.b64decode(encode_routed_experts(t, "compact", num_experts=255))
+    assert raw[4:6] == b"\x02\x01" and raw[22:] == b"\x01" + bytes([3, 255, 255, 254])
+
+    # code 2: int16 little-endian, -1 = none (> 256 experts).
+    t = torch.tensor([[[255, -1]], [[0x0102, 0]]])
+    raw = base64.b64decode(encode_routed_experts(t, "compact", num_experts=300))
+    assert raw[4:6] == b"\x02\x02"
+    assert raw[22:] == b"\x01" + struct.pack("<4h", 255, -1, 0x0102, 0)
+    assert raw[23:] == b"\xff\x00\xff\xff\x02\x01\x00\x00"
 
 
 def test_compact_size_at_most_quarter_of_int32_for_uint8():
@@ -177,16 +242,28 @@ def test_compact_size_at_most_quarter_of_int32_for_uint8():
     assert len(c) <= len(i) / 4 + 40
 
 
+@pytest.mark.parametrize("rows", [64, 1024, 4096])
+def test_compact_size_deepseek_v3_at_most_quarter_of_int32(rows):
+    # DeepSeek-V3 shape: 61 layers, 0..2 dense, 256 experts, top-8: one byte per id.
+    t = make_routing(11, rows, 61, 8, 256, dense=[0, 1, 2])
+    c, i = encode_routed_experts(t, "compact", num_experts=256), encode_routed_experts(t, "int32")
+    assert base64.b64decode(c)[5] == 3
+    assert len(base64.b64decode(c)) == 22 + 8 + rows * 58 * 8
+    assert len(c) <= 0.25 * len(i)
+    assert torch.equal(decode_routed_experts(c, "compact"), t.int())
+
+
 # ----------------------------------------------------------------------------------- narrowest dtype
 
 
 @pytest.mark.parametrize("n,dt", [(1, torch.uint8), (255, torch.uint8), (256, torch.int16),
-                                  (257, torch.int16), (32767, torch.int16)])
+                                  (257, torch.int16), (32767, torch.int16),
+                                  (32768, torch.int16)])
 def test_narrowest_dtype(n, dt):
     assert narrowest_dtype(n) == dt
 
 
-@pytest.mark.parametrize("n", [0, -1, 32768, 10**6])
+@pytest.mark.parametrize("n", [0, -1, 32769, 10**6, True, 2.0])
 def test_narrowest_dtype_rejects(n):
     with pytest.raises(ValueError, match="num_experts"):
         narrowest_dtype(n)
@@ -245,7 +322,7 @@ def test_encode_rejects_bad_inputs():
 
 
 def _blob(**over):
-    fields = dict(magic=b"REXC", version=1, code=1, num_layers=3, top_k=2, rows=2, start=0,
+    fields = dict(magic=b"REXC", version=2, code=1, num_layers=3, top_k=2, rows=2, start=0,
                   bitmap=b"\x05", payload=bytes(2 * 2 * 2))
     fields.update(over)
     head = struct.pack("<4sBBHHIQ", fields["magic"], fields["version"], fields["code"],
@@ -264,15 +341,17 @@ def test_blob_helper_is_valid():
     ("AAA", "base64"),
     ("é", "ASCII"),
     (_blob(magic=b"XXXX"), "magic"),
-    (_blob(version=2), "version"),
-    (_blob(code=3), "dtype code"),
+    (_blob(version=1), "unsupported version 1"),
+    (_blob(version=3), "unsupported version 3"),
+    (_blob(code=0), "dtype code"),
+    (_blob(code=4), "dtype code"),
     (_blob(num_layers=0, bitmap=b""), "num_layers"),
     (_blob(payload=bytes(7)), "header says"),
     (_blob(payload=bytes(9)), "header says"),
     (_blob(bitmap=b"\x0d"), "bitmap"),
     (_blob(bitmap=b"\x00", rows=2**32 - 1, payload=b""), "names no layer"),
     (_blob(code=2, payload=struct.pack("<8h", 0, 1, 2, 3, -1, -1, -2, 0)), "< -1"),
-    (base64.b64encode(b"REXC\x01").decode(), "header"),
+    (base64.b64encode(b"REXC\x02").decode(), "header"),
 ])
 def test_compact_decode_rejects_malformed(s, msg):
     with pytest.raises(ValueError, match=msg):
@@ -307,7 +386,7 @@ def test_int32_decode_rejects_malformed():
 @settings(max_examples=200, deadline=None)
 @given(st.binary(max_size=200))
 def test_decode_fuzz_only_value_errors(data):
-    for s in (base64.b64encode(data).decode(), base64.b64encode(b"REXC\x01" + data).decode()):
+    for s in (base64.b64encode(data).decode(), base64.b64encode(b"REXC\x02" + data).decode()):
         for call in (lambda: decode_routed_experts(s, "compact"), lambda: compact_header(s),
                      lambda: decode_routed_experts(s, "int32", num_layers=3, top_k=2)):
             try:
