@@ -1,0 +1,368 @@
+"""Rollout: the Python API. Validates requests, feeds the engine thread, hands back outputs."""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import random
+import threading
+import uuid
+from concurrent.futures import Future
+from typing import Any, AsyncIterator, Callable, Iterator, Optional, Sequence, Union
+
+from rollout.config import EngineConfig
+from rollout.detokenizer import IncrementalDetokenizer
+from rollout.engine_core import EngineCore
+from rollout.output import RolloutOutput
+from rollout.request import Req
+from rollout.sampling_params import SamplingParams
+from rollout.stream_chunk import StreamChunk
+
+logger = logging.getLogger(__name__)
+MAX_TOP_LOGPROBS = 64
+ParamsArg = Union[None, dict, SamplingParams, Sequence[Union[dict, SamplingParams]]]
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread stopped on an error; every pending request receives this."""
+
+
+def _derive_seed(seed: int, index: int) -> int:
+    if index == 0:
+        return seed
+    x = (seed + index * 0x9E3779B97F4A7C15) & (2**64 - 1)
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & (2**64 - 1)
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & (2**64 - 1)
+    return (x ^ (x >> 31)) & (2**63 - 1)
+
+
+class AsyncGeneration:
+    """`await` it for the list of outputs, or `async for` over it for chunks (stream) / outputs."""
+
+    def __init__(self, start: Callable[[Callable[[Any], None]], list[str]], stream: bool):
+        self._start = start
+        self._stream = stream
+
+    def __await__(self):
+        return self._collect().__await__()
+
+    async def _collect(self) -> list[RolloutOutput]:
+        finals: dict[str, RolloutOutput] = {}
+        order: list[str] = []
+        async for item in self._iterate(final_only=True, order_out=order):
+            finals[item.rid] = item
+        return [finals[rid] for rid in order]
+
+    def __aiter__(self) -> AsyncIterator[Union[StreamChunk, RolloutOutput]]:
+        return self._iterate(final_only=not self._stream, order_out=[])
+
+    async def _iterate(self, final_only: bool, order_out: list[str]):
+        loop = asyncio.get_running_loop()
+        q: asyncio.Queue = asyncio.Queue()
+        rids = self._start(lambda item: loop.call_soon_threadsafe(q.put_nowait, item))
+        order_out.extend(rids)
+        pending = set(rids)
+        while pending:
+            item = await q.get()
+            if isinstance(item, BaseException):
+                raise item
+            done = isinstance(item, RolloutOutput) or item.finished
+            if done:
+                pending.discard(item.rid)
+            if isinstance(item, StreamChunk) and final_only:
+                if item.finished:
+                    yield item.output
+                continue
+            yield item
+
+
+class Rollout:
+    """Generation engine for MoE models; `Rollout()` loads the embedded tiny model."""
+
+    def __init__(self, model_path: Optional[str] = None, *, config: Optional[EngineConfig] = None, **kwargs: Any):
+        if config is None:
+            if model_path is not None:
+                kwargs["model_path"] = model_path
+            config = EngineConfig(**kwargs)
+        elif model_path is not None or kwargs:
+            raise ValueError("pass either config or model_path/keyword settings, not both")
+        self.config = config
+        self._core = EngineCore(config)
+        self.info = self._core.info
+        self.tokenizer = self._core.tokenizer
+        self._rng = random.Random(config.seed)
+        self._lock = threading.Lock()
+        self._inflight: dict[str, Callable[[Any], None]] = {}
+        self._groups: dict[str, list[str]] = {}
+        self._cmds: "queue.Queue[Callable[[], None]]" = queue.Queue()
+        self._stopping = False
+        self._error: Optional[BaseException] = None
+        self._thread = threading.Thread(target=self._loop, name="rollout-engine", daemon=True)
+        self._thread.start()
+
+    # ---- engine thread -------------------------------------------------------------------------
+    def _loop(self) -> None:
+        core = self._core
+        try:
+            while not self._stopping:
+                if not core.has_work():
+                    try:
+                        self._cmds.get(timeout=0.05)()
+                    except queue.Empty:
+                        continue
+                while True:
+                    try:
+                        self._cmds.get_nowait()()
+                    except queue.Empty:
+                        break
+                if not self._stopping and core.has_work():
+                    core.step()
+        except BaseException as exc:  # noqa: BLE001 (report to every waiter, then stop)
+            logger.exception("engine thread failed")
+            self._error = exc
+            self._fail_all(exc)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        err = EngineDeadError(f"engine stopped: {exc!r}")
+        with self._lock:
+            sinks = list(self._inflight.values())
+            self._inflight.clear()
+        for sink in sinks:
+            sink(err)
+        while True:
+            try:
+                self._cmds.get_nowait()
+            except queue.Empty:
+                break
+
+    def _call(self, fn: Callable[[EngineCore], Any]) -> Any:
+        """Runs fn(core) on the engine thread between steps; returns its result."""
+        self._check_alive()
+        fut: Future = Future()
+
+        def cmd() -> None:
+            try:
+                fut.set_result(fn(self._core))
+            except BaseException as exc:  # noqa: BLE001
+                fut.set_exception(exc)
+
+        self._cmds.put(cmd)
+        while True:
+            try:
+                return fut.result(timeout=0.5)
+            except TimeoutError:
+                self._check_alive()
+
+    def _check_alive(self) -> None:
+        if self._error is not None:
+            raise EngineDeadError(f"engine stopped: {self._error!r}")
+        if self._stopping or not self._thread.is_alive():
+            raise EngineDeadError("engine is shut down")
+
+    # ---- request building ----------------------------------------------------------------------
+    def _prompt_ids(self, prompts: Any, input_ids: Any) -> list[list[int]]:
+        if (prompts is None) == (input_ids is None):
+            raise ValueError("give exactly one of prompts (text) or input_ids (token ids)")
+        if prompts is not None:
+            if isinstance(prompts, str):
+                prompts = [prompts]
+            if not isinstance(prompts, (list, tuple)) or not all(isinstance(p, str) for p in prompts):
+                raise ValueError("prompts must be a string or a list of strings")
+            batch = [self.tokenizer.encode(p) for p in prompts]
+            name = "prompts"
+        else:
+            if isinstance(input_ids, (list, tuple)) and input_ids and all(isinstance(t, int) for t in input_ids):
+                input_ids = [input_ids]
+            if not isinstance(input_ids, (list, tuple)) or not all(isinstance(p, (list, tuple)) for p in input_ids):
+                raise ValueError("input_ids must be a list of token ids or a list of such lists")
+            batch = [list(p) for p in input_ids]
+            name = "input_ids"
+        if not batch:
+            raise ValueError(f"{name} must not be empty")
+        vocab = self.info.vocab_size
+        for i, ids in enumerate(batch):
+            if not ids:
+                raise ValueError(f"{name}[{i}] is empty: a prompt needs at least one token")
+            for t in ids:
+                if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
+                    raise ValueError(f"input_ids[{i}] holds {t!r}; token ids must be integers in [0, {vocab})")
+            if len(ids) >= self._core.context_length:
+                raise ValueError(f"{name}[{i}] has {len(ids)} tokens; the context limit is "
+                                 f"{self._core.context_length} (context_length), prompt must be shorter")
+        return batch
+
+    @staticmethod
+    def _per_prompt(name: str, value: Any, count: int, scalar_types: tuple) -> list:
+        if isinstance(value, (list, tuple)) and not isinstance(value, scalar_types):
+            if len(value) != count:
+                raise ValueError(f"{name} has {len(value)} entries for {count} prompts")
+            return list(value)
+        return [value] * count
+
+    def _build(self, prompts: Any, input_ids: Any, sampling_params: ParamsArg, return_logprob: Any,
+               top_logprobs_num: Any, return_routed_experts: Any, routed_experts_start_len: Any, rid: Any,
+               stream: bool) -> list[Req]:
+        batch = self._prompt_ids(prompts, input_ids)
+        n_prompts = len(batch)
+        if isinstance(sampling_params, (list, tuple)):
+            if len(sampling_params) != n_prompts:
+                raise ValueError(f"sampling_params has {len(sampling_params)} entries for {n_prompts} prompts")
+            params = [SamplingParams.from_any(p) for p in sampling_params]
+        else:
+            params = [SamplingParams.from_any(sampling_params)] * n_prompts
+        if not isinstance(return_logprob, bool):
+            raise ValueError(f"return_logprob must be a boolean, got {return_logprob!r}")
+        if isinstance(top_logprobs_num, bool) or not isinstance(top_logprobs_num, int) \
+                or not 0 <= top_logprobs_num <= min(MAX_TOP_LOGPROBS, self.info.vocab_size):
+            raise ValueError(f"top_logprobs_num must be an integer in [0, "
+                             f"{min(MAX_TOP_LOGPROBS, self.info.vocab_size)}], got {top_logprobs_num!r}")
+        if not isinstance(return_routed_experts, bool):
+            raise ValueError(f"return_routed_experts must be a boolean, got {return_routed_experts!r}")
+        if return_routed_experts and self._core.capturer is None:
+            raise ValueError("return_routed_experts=True needs an engine started with "
+                             "enable_return_routed_experts=True")
+        starts = self._per_prompt("routed_experts_start_len", routed_experts_start_len, n_prompts, ())
+        rids = self._per_prompt("rid", rid, n_prompts, (str,))
+        capacity = self._core.kv_pool.num_slots
+        reqs: list[Req] = []
+        for i, (ids, p, start, r) in enumerate(zip(batch, params, starts, rids)):
+            p.check_vocab(self.info.vocab_size)
+            if isinstance(start, bool) or not isinstance(start, int) or not 0 <= start <= len(ids):
+                raise ValueError(f"routed_experts_start_len must be an integer in [0, {len(ids)}] "
+                                 f"(the prompt length), got {start!r}")
+            if len(ids) + p.max_new_tokens > capacity:
+                raise ValueError(f"max_new_tokens={p.max_new_tokens} with a {len(ids)}-token prompt needs more KV "
+                                 f"than the pool holds; prompt + max_new_tokens must be <= {capacity} (max_total_tokens)")
+            if r is not None and (not isinstance(r, str) or not r):
+                raise ValueError(f"rid must be a non-empty string, got {r!r}")
+            base_rid = r or uuid.uuid4().hex
+            seed = p.sampling_seed if p.sampling_seed is not None else self._rng.getrandbits(63)
+            for k in range(p.n):
+                child = base_rid if p.n == 1 else f"{base_rid}_{k}"
+                detok = None
+                if stream or p.stop:
+                    detok = IncrementalDetokenizer(
+                        lambda t, s=p.skip_special_tokens: self.tokenizer.decode(t, skip_special_tokens=s))
+                reqs.append(Req(
+                    rid=child, prompt_ids=list(ids), params=p, seed=_derive_seed(seed, k),
+                    return_logprob=return_logprob, top_logprobs_num=top_logprobs_num,
+                    return_routed_experts=return_routed_experts, routed_experts_start_len=start, stream=stream,
+                    max_total_len=self._core.context_length, detokenizer=detok))
+        seen = [r.rid for r in reqs]
+        if len(set(seen)) != len(seen):
+            raise ValueError("rid values must be unique within a call")
+        return reqs
+
+    def _submit(self, reqs: list[Req], sink: Callable[[Any], None], group_rid: Optional[str] = None) -> list[str]:
+        self._check_alive()
+        with self._lock:
+            clash = [r.rid for r in reqs if r.rid in self._inflight]
+            if clash:
+                raise ValueError(f"rid {clash[0]!r} is already in flight; rids must be unique")
+            for req in reqs:
+                self._inflight[req.rid] = sink
+                req.sink = self._wrap_sink(req.rid, sink)
+            for req in reqs:
+                base = req.rid.rsplit("_", 1)[0] if req.params.n > 1 else None
+                if base is not None:
+                    self._groups.setdefault(base, []).append(req.rid)
+
+        def add() -> None:
+            for req in reqs:
+                self._core.add_request(req)
+
+        self._cmds.put(add)
+        return [r.rid for r in reqs]
+
+    def _wrap_sink(self, rid: str, sink: Callable[[Any], None]) -> Callable[[Any], None]:
+        def deliver(item: Any) -> None:
+            if isinstance(item, RolloutOutput) or (isinstance(item, StreamChunk) and item.finished):
+                with self._lock:
+                    self._inflight.pop(rid, None)
+                    for base, members in list(self._groups.items()):
+                        if rid in members:
+                            members.remove(rid)
+                            if not members:
+                                del self._groups[base]
+            sink(item)
+        return deliver
+
+    # ---- public API ----------------------------------------------------------------------------
+    def generate(self, prompts: Any = None, sampling_params: ParamsArg = None, *, input_ids: Any = None,
+                 return_logprob: bool = False, top_logprobs_num: int = 0, return_routed_experts: bool = False,
+                 routed_experts_start_len: Any = 0, rid: Any = None, stream: bool = False
+                 ) -> Union[list[RolloutOutput], Iterator[StreamChunk]]:
+        """Outputs in prompt order (each prompt's n samples together); stream=True yields chunks."""
+        reqs = self._build(prompts, input_ids, sampling_params, return_logprob, top_logprobs_num,
+                           return_routed_experts, routed_experts_start_len, rid, stream)
+        q: "queue.Queue[Any]" = queue.Queue()
+        rids = self._submit(reqs, q.put)
+        if stream:
+            return self._iter_chunks(q, set(rids))
+        finals: dict[str, RolloutOutput] = {}
+        while len(finals) < len(rids):
+            item = self._get(q)
+            finals[item.rid] = item
+        return [finals[r] for r in rids]
+
+    def _get(self, q: "queue.Queue[Any]") -> Any:
+        while True:
+            try:
+                item = q.get(timeout=0.5)
+            except queue.Empty:
+                self._check_alive()
+                continue
+            if isinstance(item, BaseException):
+                raise item
+            return item
+
+    def _iter_chunks(self, q: "queue.Queue[Any]", pending: set[str]) -> Iterator[StreamChunk]:
+        while pending:
+            chunk = self._get(q)
+            if chunk.finished:
+                pending.discard(chunk.rid)
+            yield chunk
+
+    def async_generate(self, prompts: Any = None, sampling_params: ParamsArg = None, *, input_ids: Any = None,
+                       return_logprob: bool = False, top_logprobs_num: int = 0, return_routed_experts: bool = False,
+                       routed_experts_start_len: Any = 0, rid: Any = None, stream: bool = False) -> AsyncGeneration:
+        """`await engine.async_generate(...)` -> outputs; `async for c in engine.async_generate(..., stream=True)`."""
+        reqs = self._build(prompts, input_ids, sampling_params, return_logprob, top_logprobs_num,
+                           return_routed_experts, routed_experts_start_len, rid, stream)
+        return AsyncGeneration(lambda sink: self._submit(reqs, sink), stream)
+
+    def abort(self, rid: str) -> bool:
+        """Aborts a request (or every sample of an n>1 request) at any stage; its output says abort."""
+        with self._lock:
+            targets = list(self._groups.get(rid, [])) or [rid]
+        return any(self._call(lambda core: [core.abort(t) for t in targets]))
+
+    def abort_all(self) -> int:
+        return self._call(lambda core: core.abort_all())
+
+    def flush_cache(self) -> bool:
+        return self._call(lambda core: core.flush_cache())
+
+    def check_integrity(self) -> None:
+        self._call(lambda core: core.check_integrity())
+
+    def stats(self) -> dict[str, Any]:
+        return self._call(lambda core: dict(core.stats, num_retractions=core.scheduler.num_retractions,
+                                            kv_used=core.kv_pool.used(), kv_total=core.kv_pool.num_slots,
+                                            running=len(core.scheduler.running), waiting=len(core.scheduler.waiting)))
+
+    def shutdown(self) -> None:
+        if self._thread.is_alive() and not self._stopping and self._error is None:
+            try:
+                self._call(lambda core: core.abort_all())
+            except EngineDeadError:
+                pass
+        self._stopping = True
+        self._thread.join(timeout=30)
+
+    def __enter__(self) -> "Rollout":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()

@@ -1,0 +1,83 @@
+"""ForwardBatch: everything one model forward needs (token ids, positions, KV slots, lengths)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+from rollout.kv_pool import SINK_SLOT, KVPool
+
+
+@dataclass(frozen=True, kw_only=True)
+class ForwardBatch:
+    """A packed batch of B requests' new tokens (N in total).
+
+    Request b contributes extend_lens[b] new tokens at positions prefix_lens[b] .. seq_lens[b]-1;
+    its keys/values for positions 0 .. seq_lens[b]-1 live at kv_indices[b, :seq_lens[b]].
+    """
+
+    input_ids: torch.Tensor          # [N] int64
+    positions: torch.Tensor          # [N] int64
+    out_cache_loc: torch.Tensor      # [N] int64, KV slot each new token writes
+    seq_lens: torch.Tensor           # [B] int64, KV length after this forward
+    extend_lens: torch.Tensor        # [B] int64, new tokens per request
+    kv_indices: torch.Tensor         # [B, max_seq_len] int64, padded with SINK_SLOT
+    q_pad_index: torch.Tensor        # [N] int64, flat index of each token in [B * max_extend]
+    attn_mask: torch.Tensor          # [B, 1, max_extend, max_seq_len] bool, True = attend
+    logits_indices: torch.Tensor     # [B] int64, row of each request's last new token
+    max_extend: int
+    kv_pool: KVPool
+    capture: Optional[Any] = None    # capture target with .record(layer_id, topk_ids), or None
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.seq_lens.shape[0])
+
+    @staticmethod
+    def build(*, input_ids: list[int], out_cache_loc: torch.Tensor, prefix_lens: list[int],
+              extend_lens: list[int], req_slots: list[torch.Tensor], kv_pool: KVPool,
+              capture: Optional[Any] = None, device: torch.device | str = "cpu") -> "ForwardBatch":
+        """req_slots[b]: the request's KV slots for positions 0 .. prefix+extend-1 (new ones included)."""
+        bsz = len(extend_lens)
+        assert bsz == len(prefix_lens) == len(req_slots) and bsz > 0
+        seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
+        max_seq, max_ext = max(seq_lens), max(extend_lens)
+        kv_indices = torch.full((bsz, max_seq), SINK_SLOT, dtype=torch.int64)
+        for b, slots in enumerate(req_slots):
+            assert slots.numel() == seq_lens[b]
+            kv_indices[b, : seq_lens[b]] = slots
+        ext = torch.tensor(extend_lens, dtype=torch.int64)
+        pre = torch.tensor(prefix_lens, dtype=torch.int64)
+        req_of_token = torch.repeat_interleave(torch.arange(bsz), ext)              # [N]
+        starts = torch.cumsum(ext, 0) - ext                                          # [B]
+        idx_in_req = torch.arange(int(ext.sum())) - starts[req_of_token]            # [N]
+        positions = pre[req_of_token] + idx_in_req
+        q_pad_index = req_of_token * max_ext + idx_in_req
+        # query i of request b sits at position prefix_lens[b] + i and sees keys 0 .. that position
+        q_pos = pre[:, None] + torch.arange(max_ext)[None, :]                        # [B, max_ext]
+        key_pos = torch.arange(max_seq)
+        mask = key_pos[None, None, :] <= q_pos[:, :, None]                           # [B, max_ext, max_seq]
+        mask &= key_pos[None, None, :] < torch.tensor(seq_lens)[:, None, None]
+        # NOTE: padded query rows (i >= extend_lens[b]) must still see one key, else softmax is NaN.
+        mask[:, :, 0] = True
+        logits_indices = starts + ext - 1
+        dev = torch.device(device)
+        return ForwardBatch(
+            input_ids=torch.tensor(input_ids, dtype=torch.int64, device=dev),
+            positions=positions.to(dev),
+            out_cache_loc=out_cache_loc.to(dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=dev),
+            extend_lens=ext.to(dev),
+            kv_indices=kv_indices.to(dev),
+            q_pad_index=q_pad_index.to(dev),
+            attn_mask=mask[:, None].to(dev),
+            logits_indices=logits_indices.to(dev),
+            max_extend=max_ext,
+            kv_pool=kv_pool,
+            capture=capture,
+        )

@@ -1,0 +1,14 @@
+"""ForwardOutput: what one forward produced and which runner (with which layout) produced it."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from capture.gather_layout import GatherLayout
+
+
+@dataclass(frozen=True)
+class ForwardOutput:
+    logits: torch.Tensor     # [B, vocab] fp32, one row per request (its last new token)
+    layout: GatherLayout     # the executing runner's layout; capture reads only this

@@ -1,0 +1,59 @@
+"""KVPool: per-layer key/value tensors over a pool of token slots, with a slot allocator."""
+from __future__ import annotations
+
+import torch
+
+SINK_SLOT = 0  # NOTE: slot 0 is never allocated; padding tokens write their KV there.
+
+
+class KVPool:
+    """Token-slot KV memory. Slot 0 is the sink; slots 1..num_slots are allocatable."""
+
+    def __init__(self, *, num_slots: int, num_layers: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: str | torch.device = "cpu"):
+        if num_slots <= 0:
+            raise ValueError(f"num_slots must be > 0, got {num_slots}")
+        self.num_slots = num_slots
+        self.num_layers = num_layers
+        self.dtype = dtype
+        self.device = torch.device(device)
+        shape = (num_slots + 1, num_kv_heads, head_dim)
+        self.k_buffers = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+        self.v_buffers = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+        self._free = list(range(num_slots, 0, -1))  # pop() hands out low slots first
+
+    @staticmethod
+    def bytes_per_slot(*, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+    def available(self) -> int:
+        return len(self._free)
+
+    def used(self) -> int:
+        return self.num_slots - len(self._free)
+
+    def alloc(self, n: int) -> torch.Tensor | None:
+        """n free slots as an int64 tensor, or None (nothing taken) when fewer are free."""
+        if n > len(self._free):
+            return None
+        if n == 0:
+            return torch.empty(0, dtype=torch.int64)
+        taken = self._free[-n:]
+        del self._free[-n:]
+        return torch.tensor(taken[::-1], dtype=torch.int64)
+
+    def free(self, slots: torch.Tensor | list[int]) -> None:
+        values = slots.tolist() if isinstance(slots, torch.Tensor) else list(slots)
+        assert SINK_SLOT not in values, "the sink slot is never freed"
+        self._free.extend(values)
+
+    def write(self, layer_id: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v: [num_tokens, num_kv_heads, head_dim] written at slots [num_tokens]."""
+        self.k_buffers[layer_id][slots] = k.to(self.dtype)
+        self.v_buffers[layer_id][slots] = v.to(self.dtype)
+
+    def check_integrity(self) -> None:
+        free = self._free
+        assert len(free) == len(set(free)), "a slot is on the free list twice"
+        assert all(1 <= s <= self.num_slots for s in free), "a free slot is out of range"
+        assert len(free) + self.used() == self.num_slots

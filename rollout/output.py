@@ -1,0 +1,63 @@
+"""RolloutOutput: the finished result of one request, with SGLang's `{text, output_ids, meta_info}` view."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+
+
+@dataclass(frozen=True, kw_only=True)
+class RolloutOutput:
+    rid: str
+    prompt_ids: list[int]
+    output_ids: list[int]
+    text: str
+    finish_reason: str                     # "stop" | "length" | "abort"
+    finish_info: dict = field(default_factory=dict)   # SGLang's finish_reason object
+    output_logprobs: Optional[list[float]] = None
+    output_top_logprobs: Optional[list[list[tuple[float, int]]]] = None
+    cached_tokens: int = 0
+    weight_version: str = "default"
+    routed_experts: Optional[torch.Tensor] = None     # [rows, num_hidden_layers, top_k] int32, -1 = dense
+    routed_experts_start_len: int = 0
+    num_experts: int = 0                              # for the compact wire format's dtype
+    moe_layer_ids: tuple[int, ...] = ()
+    num_retractions: int = 0
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.output_ids)
+
+    def meta_info(self, routed_experts_format: str = "int32") -> dict[str, Any]:
+        meta: dict[str, Any] = {
+            "id": self.rid,
+            "finish_reason": dict(self.finish_info),
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "cached_tokens": self.cached_tokens,
+            "weight_version": self.weight_version,
+        }
+        if self.output_logprobs is not None:
+            meta["output_token_logprobs"] = [[lp, tid, None] for lp, tid in zip(self.output_logprobs, self.output_ids)]
+        if self.output_top_logprobs is not None:
+            meta["output_top_logprobs"] = [[[lp, tid, None] for lp, tid in row] for row in self.output_top_logprobs]
+        if self.routed_experts is not None:
+            from capture.codec import encode_routed_experts  # noqa: PLC0415 (capture is optional)
+
+            if routed_experts_format == "compact":
+                meta["routed_experts"] = encode_routed_experts(
+                    self.routed_experts, fmt="compact", num_experts=self.num_experts,
+                    start=self.routed_experts_start_len, layer_ids=self.moe_layer_ids or None)
+            else:
+                meta["routed_experts"] = encode_routed_experts(self.routed_experts, fmt=routed_experts_format)
+            meta["routed_experts_start_len"] = self.routed_experts_start_len
+        return meta
+
+    def to_dict(self, routed_experts_format: str = "int32") -> dict[str, Any]:
+        return {"text": self.text, "output_ids": list(self.output_ids),
+                "meta_info": self.meta_info(routed_experts_format)}

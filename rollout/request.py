@@ -1,0 +1,83 @@
+"""Req: the engine-side state of one generation request."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+
+from rollout.detokenizer import IncrementalDetokenizer
+from rollout.sampling_params import SamplingParams
+
+
+class ReqState(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(frozen=True)
+class FinishReason:
+    type: str                       # "stop" | "length" | "abort"
+    matched: Any = None             # the token id or stop string that matched
+    message: Optional[str] = None
+
+    def to_dict(self, completion_tokens: int) -> dict:
+        out: dict = {"type": self.type}
+        if self.type == "stop":
+            out["matched"] = self.matched
+        elif self.type == "length":
+            out["length"] = completion_tokens
+        if self.message:
+            out["message"] = self.message
+        return out
+
+
+@dataclass(eq=False)
+class Req:
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    seed: int
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+    return_routed_experts: bool = False
+    routed_experts_start_len: int = 0
+    stream: bool = False
+    max_total_len: int = 0               # prompt + output never exceed this (context limit)
+    sink: Optional[Callable[[Any], None]] = None
+    detokenizer: Optional[IncrementalDetokenizer] = None
+
+    output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    output_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
+    state: ReqState = ReqState.WAITING
+    finish_reason: Optional[FinishReason] = None
+    kv_slots: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
+    cache_len: int = 0                   # leading kv_slots owned by the prefix cache
+    last_node: Any = None                # locked prefix-cache node
+    cached_tokens: int = 0
+    scheduled_once: bool = False
+    admit_seq: int = 0                   # admission order; retraction picks the newest
+    num_retractions: int = 0
+    saved_routing: Optional[torch.Tensor] = None  # [n, L, K] rows for positions start.. saved at retraction
+    sent_tokens: int = 0                 # streaming cursors
+    sent_routing_rows: int = 0
+    sent_text_len: int = 0
+
+    @property
+    def fill_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def seq_len(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def kv_len(self) -> int:
+        return int(self.kv_slots.numel())
+
+    @property
+    def is_finished(self) -> bool:
+        return self.state is ReqState.FINISHED

@@ -1,0 +1,126 @@
+"""SamplingParams: per-request generation settings with SGLang's field names, validated up front."""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Optional
+
+GREEDY_TEMPERATURE = 1e-6  # temperatures below this mean greedy (SGLang's convention)
+LOGPROB_MODES = ("raw", "scaled", "processed")
+MAX_SEED = 2**63 - 1
+
+
+def _check_number(name: str, value: Any, lo: float, hi: float, *, integer: bool = False,
+                  lo_open: bool = False, allowed: str = "") -> None:
+    kinds = (int,) if integer else (int, float)
+    if isinstance(value, bool) or not isinstance(value, kinds):
+        raise ValueError(f"{name} must be {'an integer' if integer else 'a number'}, got {value!r}")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value!r}")
+    if value < lo or value > hi or (lo_open and value == lo):
+        rng = allowed or f"{'(' if lo_open else '['}{lo}, {hi}]"
+        raise ValueError(f"{name} must be in {rng}, got {value!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SamplingParams:
+    """Generation settings. temperature 0 is greedy; top_k -1 (or 0) disables top-k.
+
+    logprob_mode chooses the distribution the returned logprobs are of: "raw" (log-softmax of
+    the model's logits), "scaled" (of logits / temperature, SGLang's default) or "processed"
+    (after temperature, top-k, top-p and min-p, renormalised: the distribution actually sampled).
+    Greedy requests use temperature 1 and no truncation for "scaled"/"processed".
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    max_new_tokens: int = 128
+    min_new_tokens: int = 0
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    no_stop_trim: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    n: int = 1
+    sampling_seed: Optional[int] = None
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprob_mode: str = "scaled"
+
+    def __post_init__(self) -> None:
+        _check_number("temperature", self.temperature, 0.0, 100.0)
+        _check_number("top_p", self.top_p, 0.0, 1.0, lo_open=True)
+        _check_number("top_k", self.top_k, -1, 2**31 - 1, integer=True,
+                      allowed="-1 (disabled), 0 (disabled) or a positive integer")
+        _check_number("min_p", self.min_p, 0.0, 1.0)
+        _check_number("max_new_tokens", self.max_new_tokens, 0, 2**31 - 1, integer=True)
+        _check_number("min_new_tokens", self.min_new_tokens, 0, 2**31 - 1, integer=True)
+        if self.min_new_tokens > self.max_new_tokens:
+            raise ValueError(f"min_new_tokens must be <= max_new_tokens ({self.max_new_tokens}), "
+                             f"got {self.min_new_tokens}")
+        _check_number("n", self.n, 1, 1024, integer=True)
+        if self.sampling_seed is not None:
+            _check_number("sampling_seed", self.sampling_seed, 0, MAX_SEED, integer=True)
+        _check_number("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        _check_number("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        _check_number("repetition_penalty", self.repetition_penalty, 0.0, 2.0, lo_open=True)
+        for name in ("ignore_eos", "no_stop_trim", "skip_special_tokens", "spaces_between_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a boolean, got {getattr(self, name)!r}")
+        if self.logprob_mode not in LOGPROB_MODES:
+            raise ValueError(f"logprob_mode must be one of {LOGPROB_MODES}, got {self.logprob_mode!r}")
+        stop = self.stop
+        if stop is None:
+            stop = ()
+        elif isinstance(stop, str):
+            stop = (stop,)
+        if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
+            raise ValueError(f"stop must be a non-empty string or a list of non-empty strings, got {self.stop!r}")
+        if len(stop) > 64:
+            raise ValueError(f"stop must hold at most 64 strings, got {len(stop)}")
+        object.__setattr__(self, "stop", tuple(stop))
+        ids = () if self.stop_token_ids is None else self.stop_token_ids
+        if not isinstance(ids, (list, tuple)):
+            raise ValueError(f"stop_token_ids must be a list of integers, got {self.stop_token_ids!r}")
+        for t in ids:
+            _check_number("stop_token_ids", t, 0, 2**31 - 1, integer=True)
+        object.__setattr__(self, "stop_token_ids", tuple(ids))
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature < GREEDY_TEMPERATURE
+
+    @property
+    def has_penalty(self) -> bool:
+        return self.frequency_penalty != 0.0 or self.presence_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Field checks that need the model: token ids must be in [0, vocab_size)."""
+        for t in self.stop_token_ids:
+            if t >= vocab_size:
+                raise ValueError(f"stop_token_ids must be in [0, {vocab_size}), got {t}")
+
+    @staticmethod
+    def from_any(value: "SamplingParams | Mapping[str, Any] | None") -> "SamplingParams":
+        if value is None:
+            return SamplingParams()
+        if isinstance(value, SamplingParams):
+            return value
+        if not isinstance(value, Mapping):
+            raise ValueError(f"sampling_params must be a dict or SamplingParams, got {type(value).__name__}")
+        known = {f.name for f in dataclasses.fields(SamplingParams)}
+        unknown = sorted(k for k in value if k not in known)
+        if unknown:
+            raise ValueError(f"sampling_params has unknown field(s) {unknown}; allowed: {sorted(known)}")
+        kwargs = dict(value)
+        # NOTE: JSON clients send null for "use the default"; treat it so.
+        kwargs = {k: v for k, v in kwargs.items() if v is not None or k == "sampling_seed"}
+        return SamplingParams(**kwargs)
+
+    def replace(self, **changes: Any) -> "SamplingParams":
+        return dataclasses.replace(self, **changes)

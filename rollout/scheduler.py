@@ -1,0 +1,233 @@
+"""Scheduler: continuous batching over a KV slot pool with a prefix cache.
+
+Each step is one forward over a list of (request, new tokens) pairs: a prefill step (new and
+chunked requests, at most `prefill_token_budget` tokens) when anything waits and fits, else a
+decode step over every running request. When KV runs out during decode the newest running
+requests are retracted: their KV goes to the prefix cache and they re-queue at the front.
+"""
+from __future__ import annotations
+
+import os
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+from rollout.kv_pool import KVPool
+from rollout.radix_cache import RadixCache
+from rollout.request import Req, ReqState
+
+
+MIN_SHARED_PREFIX = 8  # uncached tokens two new requests must share before one waits for the other
+
+
+@dataclass(frozen=True)
+class ScheduledBatch:
+    reqs: list[Req]
+    extend_lens: list[int]
+    prefix_lens: list[int]
+    out_cache_loc: torch.Tensor      # [sum(extend_lens)] new slots, request-major
+    is_prefill: bool
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.extend_lens)
+
+    def completes(self, i: int) -> bool:
+        """Whether request i's forward reaches its last token (its logits pick the next token)."""
+        req = self.reqs[i]
+        return self.prefix_lens[i] + self.extend_lens[i] == req.seq_len
+
+
+class Scheduler:
+    def __init__(self, *, kv_pool: KVPool, cache: RadixCache, max_running_requests: int,
+                 prefill_token_budget: int, on_retract: Optional[Callable[[Req], None]] = None):
+        self.kv_pool = kv_pool
+        self.cache = cache
+        self.max_running_requests = max_running_requests
+        self.prefill_token_budget = prefill_token_budget
+        self.on_retract = on_retract
+        self.waiting: deque[Req] = deque()
+        self.running: list[Req] = []        # admitted: holding KV (prefilling or decoding)
+        self._admit_counter = 0
+        self.num_retractions = 0
+
+    # ---- queue management ------------------------------------------------------------------
+    def add(self, req: Req) -> None:
+        self.waiting.append(req)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def find(self, rid: str) -> Optional[Req]:
+        for req in self.running:
+            if req.rid == rid:
+                return req
+        for req in self.waiting:
+            if req.rid == rid:
+                return req
+        return None
+
+    def remove(self, req: Req) -> None:
+        """Takes a request out of the queues and returns its KV (to the cache when enabled)."""
+        if req in self.running:
+            self.running.remove(req)
+            self.release(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+
+    def release(self, req: Req) -> None:
+        n = req.kv_len
+        if n:
+            kept = self.cache.insert(req.fill_ids[:n], req.kv_slots)
+            # the cache keeps its own slots for the first `kept` tokens; ours beyond cache_len are duplicates
+            if kept > req.cache_len:
+                self.kv_pool.free(req.kv_slots[req.cache_len:kept])
+        if req.last_node is not None:
+            self.cache.dec_lock(req.last_node)
+        req.kv_slots = torch.empty(0, dtype=torch.int64)
+        req.cache_len = 0
+        req.last_node = None
+
+    def cache_unfinished(self, req: Req) -> None:
+        """Hands a running request's computed KV to the prefix cache (others can share it now)."""
+        if not self.cache.enabled or req.kv_len <= req.cache_len:
+            return
+        tokens = req.fill_ids[:req.kv_len]
+        kept = self.cache.insert(tokens, req.kv_slots)
+        if kept > req.cache_len:
+            self.kv_pool.free(req.kv_slots[req.cache_len:kept])
+        slots, node = self.cache.match_prefix(tokens)
+        assert slots.numel() == len(tokens)
+        self.cache.inc_lock(node)
+        self.cache.dec_lock(req.last_node)
+        req.last_node = node
+        req.kv_slots = slots
+        req.cache_len = len(tokens)
+
+    # ---- scheduling --------------------------------------------------------------------------
+    def _alloc(self, n: int) -> Optional[torch.Tensor]:
+        short = n - self.kv_pool.available()
+        if short > 0:
+            self.cache.evict(short)
+        return self.kv_pool.alloc(n)
+
+    def _admit(self, req: Req) -> None:
+        """Matches the prefix cache and locks it (no allocation yet)."""
+        # NOTE: the last token is always computed, so its logits exist to sample from.
+        slots, node = self.cache.match_prefix(req.fill_ids[:-1])
+        self.cache.inc_lock(node)
+        req.last_node = node
+        req.kv_slots = slots
+        req.cache_len = int(slots.numel())
+
+    def _unadmit(self, req: Req) -> None:
+        self.cache.dec_lock(req.last_node)
+        req.last_node = None
+        req.kv_slots = torch.empty(0, dtype=torch.int64)
+        req.cache_len = 0
+
+    def schedule(self) -> Optional[ScheduledBatch]:
+        return self._schedule_prefill() or self._schedule_decode()
+
+    def _schedule_prefill(self) -> Optional[ScheduledBatch]:
+        budget = self.prefill_token_budget
+        reqs, ext, pre, locs = [], [], [], []
+        chunked = [r for r in self.running if r.kv_len < r.seq_len - 1]
+        candidates = chunked + list(self.waiting)
+        running_count = len(self.running)
+        for req in candidates:
+            if budget <= 0:
+                break
+            is_new = req.state is ReqState.WAITING
+            if is_new:
+                if running_count >= self.max_running_requests:
+                    break
+                self._admit(req)
+                if self._shares_uncached_prefix(req, reqs):
+                    # NOTE: wait one step: the prefix computed by the earlier request is cached then,
+                    # so n samples of one prompt compute its KV once.
+                    self._unadmit(req)
+                    continue
+            remaining = req.seq_len - req.kv_len
+            take = min(remaining, budget)
+            slots = self._alloc(take)
+            if slots is None:
+                if is_new:
+                    self._unadmit(req)
+                break
+            reqs.append(req)
+            pre.append(req.kv_len)
+            ext.append(take)
+            locs.append(slots)
+            req.kv_slots = torch.cat([req.kv_slots, slots])
+            budget -= take
+            if is_new:
+                if not req.scheduled_once:
+                    req.cached_tokens = req.cache_len
+                    req.scheduled_once = True
+                self.waiting.remove(req)
+                req.state = ReqState.RUNNING
+                self._admit_counter += 1
+                req.admit_seq = self._admit_counter
+                self.running.append(req)
+                running_count += 1
+            if take < remaining:
+                break
+        if not reqs:
+            return None
+        return ScheduledBatch(reqs, ext, pre, torch.cat(locs), is_prefill=True)
+
+    def _shares_uncached_prefix(self, req: Req, scheduled: list[Req]) -> bool:
+        if not self.cache.enabled:
+            return False
+        ids = req.fill_ids
+        for other in scheduled:
+            common = len(os.path.commonprefix([ids, other.fill_ids]))
+            if common - req.cache_len >= MIN_SHARED_PREFIX:
+                return True
+        return False
+
+    def _schedule_decode(self) -> Optional[ScheduledBatch]:
+        if not self.running:
+            return None
+        while True:
+            reqs = list(self.running)
+            slots = self._alloc(len(reqs))
+            if slots is not None:
+                break
+            if len(self.running) == 1:
+                return None  # NOTE: cannot happen: requests that cannot fit alone are rejected up front
+            self.retract(max(self.running, key=lambda r: r.admit_seq))
+        pre = []
+        for req, slot in zip(reqs, slots):
+            pre.append(req.kv_len)
+            req.kv_slots = torch.cat([req.kv_slots, slot.view(1)])
+        return ScheduledBatch(reqs, [1] * len(reqs), pre, slots, is_prefill=False)
+
+    def retract(self, req: Req) -> None:
+        """Moves a running request back to the front of the queue; its generated tokens stay."""
+        if self.on_retract is not None:
+            self.on_retract(req)  # e.g. save routing rows before the slots can be reused
+        self.running.remove(req)
+        self.release(req)
+        req.state = ReqState.WAITING
+        req.num_retractions += 1
+        self.num_retractions += 1
+        self.waiting.appendleft(req)
+
+    def check_integrity(self) -> None:
+        """Every used KV slot is held by exactly one owner: a running request or the prefix cache."""
+        self.kv_pool.check_integrity()
+        self.cache.check_integrity()
+        owned: list[int] = []
+        for req in self.running:
+            owned.extend(req.kv_slots[req.cache_len:].tolist())
+        for req in self.waiting:
+            assert req.kv_len == 0 and req.last_node is None, f"waiting request {req.rid} holds KV"
+        cached = self.cache.all_slots()
+        assert len(owned) == len(set(owned)), "a KV slot is owned twice"
+        assert not (set(owned) & cached), "a KV slot is owned by a request and the cache"
+        assert len(owned) + len(cached) == self.kv_pool.used(), (
+            f"slot leak: {len(owned)} request-owned + {len(cached)} cached != {self.kv_pool.used()} used")

@@ -1,0 +1,54 @@
+"""Tokenizer: text <-> token ids for a checkpoint directory (tokenizer.json via `tokenizers`)."""
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Optional
+
+from tokenizers import Tokenizer as _HFTokenizer
+
+
+def _as_id_list(value: Any) -> list[int]:
+    if value is None:
+        return []
+    if isinstance(value, int):
+        return [value]
+    return [int(v) for v in value]
+
+
+class Tokenizer:
+    def __init__(self, path: str):
+        file = os.path.join(path, "tokenizer.json")
+        if not os.path.isfile(file):
+            raise ValueError(f"tokenizer_path {path!r} has no tokenizer.json")
+        self.path = path
+        self._tok = _HFTokenizer.from_file(file)
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        self._chat_tokenizer = None
+
+    @staticmethod
+    def eos_token_ids(model_path: str) -> list[int]:
+        """eos ids from generation_config.json (preferred, may be a list) and config.json."""
+        ids: list[int] = []
+        for name in ("generation_config.json", "config.json"):
+            file = os.path.join(model_path, name)
+            if os.path.isfile(file):
+                with open(file) as f:
+                    ids += [i for i in _as_id_list(json.load(f).get("eos_token_id")) if i not in ids]
+        return ids
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: Optional[list] = None) -> list[int]:
+        if self._chat_tokenizer is None:
+            from transformers import AutoTokenizer  # noqa: PLC0415 (only chat needs it)
+
+            self._chat_tokenizer = AutoTokenizer.from_pretrained(self.path)
+        text = self._chat_tokenizer.apply_chat_template(messages, tokenize=False, tools=tools,
+                                                        add_generation_prompt=add_generation_prompt)
+        return self.encode(text)

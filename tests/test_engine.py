@@ -1,0 +1,192 @@
+"""Engine core against transformers: greedy outputs, logprobs, prefix cache, chunking, retraction."""
+import random
+
+import pytest
+import torch
+
+from oracle import hf_greedy, hf_logprobs
+from rollout import Rollout, SamplingParams
+from rollout.config import DEFAULT_MODEL_PATH
+from tiny_models import ARCHS
+
+GREEDY = {"temperature": 0.0, "max_new_tokens": 32, "ignore_eos": True, "logprob_mode": "raw"}
+
+
+def prompts(seed: int, lengths, vocab: int = 256) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(n)] for n in lengths]
+
+
+def make_engine(path, **kw) -> Rollout:
+    kw.setdefault("dtype", "float32")
+    kw.setdefault("tokenizer_path", DEFAULT_MODEL_PATH)
+    return Rollout(str(path), **kw)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_and_logprobs_match_transformers(tiny_checkpoint, arch):
+    path = tiny_checkpoint(arch)
+    batch = prompts(1, [5, 17, 40])
+    with make_engine(path, chunked_prefill_size=256) as engine:
+        outs = engine.generate(input_ids=batch, sampling_params=GREEDY, return_logprob=True)
+        engine.check_integrity()
+    for prompt, out in zip(batch, outs):
+        assert out.output_ids == hf_greedy(path, prompt, 32)
+        ref = hf_logprobs(path, prompt, out.output_ids)
+        got = torch.tensor(out.output_logprobs)
+        assert torch.allclose(got, ref, atol=1e-4, rtol=0), (got - ref).abs().max()
+        assert out.finish_reason == "length" and out.prompt_tokens == len(prompt)
+
+
+@pytest.fixture(scope="module")
+def qwen3(tiny_checkpoint):
+    return tiny_checkpoint("qwen3_moe")
+
+
+@pytest.fixture(scope="module")
+def baseline(qwen3):
+    batch = prompts(2, [3, 9, 30, 64, 64])
+    batch[4] = batch[3][:40] + batch[4][40:]  # shares a 40-token prefix with prompt 3
+    with make_engine(qwen3, enable_prefix_caching=False, chunked_prefill_size=1024) as engine:
+        outs = engine.generate(input_ids=batch, sampling_params=GREEDY, return_logprob=True)
+    return batch, outs
+
+
+def _same(a, b):
+    assert [o.output_ids for o in a] == [o.output_ids for o in b]
+    for x, y in zip(a, b):
+        assert torch.allclose(torch.tensor(x.output_logprobs), torch.tensor(y.output_logprobs), atol=1e-4)
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 32])
+def test_chunked_prefill_same_outputs(qwen3, baseline, chunk):
+    batch, ref = baseline
+    with make_engine(qwen3, chunked_prefill_size=chunk) as engine:
+        outs = engine.generate(input_ids=batch, sampling_params=GREEDY, return_logprob=True)
+        engine.check_integrity()
+    _same(outs, ref)
+
+
+def test_prefix_cache_hits_same_outputs(qwen3, baseline):
+    batch, ref = baseline
+    with make_engine(qwen3) as engine:
+        first = engine.generate(input_ids=batch, sampling_params=GREEDY, return_logprob=True)
+        second = engine.generate(input_ids=batch, sampling_params=GREEDY, return_logprob=True)
+        engine.check_integrity()
+        assert engine.flush_cache()
+        third = engine.generate(input_ids=batch[:1], sampling_params=GREEDY, return_logprob=True)
+        engine.check_integrity()
+    _same(first, ref)
+    _same(second, ref)
+    assert first[4].cached_tokens >= 40  # waited one step for prompt 3's prefix
+    assert all(o.cached_tokens == len(p) - 1 for o, p in zip(second, batch))
+    assert third[0].cached_tokens == 0
+
+
+def test_n_samples_share_prompt_kv(qwen3):
+    prompt = prompts(3, [48])[0]
+    params = {"temperature": 1.0, "max_new_tokens": 8, "n": 8, "sampling_seed": 7}
+    with make_engine(qwen3) as engine:
+        outs = engine.generate(input_ids=[prompt], sampling_params=params)
+        stats = engine.stats()
+    assert len(outs) == 8
+    assert sorted(o.cached_tokens for o in outs)[1:] == [47] * 7
+    assert stats["prompt_tokens"] == 8 * 48
+    assert len({tuple(o.output_ids) for o in outs}) > 1  # each sample has its own seed
+
+
+def test_retraction_resumes_exactly(qwen3, baseline):
+    batch, ref = baseline
+    with make_engine(qwen3, max_total_tokens=110, enable_prefix_caching=True) as engine:
+        outs = engine.generate(input_ids=batch, sampling_params=GREEDY, return_logprob=True)
+        stats = engine.stats()
+        engine.check_integrity()
+    assert stats["num_retractions"] > 0
+    assert any(o.num_retractions for o in outs)
+    _same(outs, ref)
+
+
+def test_seeded_sampling_independent_of_batch(qwen3):
+    target = prompts(4, [12])[0]
+    others = prompts(5, [3, 20, 33])
+    params = SamplingParams(temperature=0.9, top_p=0.9, top_k=50, max_new_tokens=24, sampling_seed=1234,
+                            ignore_eos=True)
+    other_params = SamplingParams(temperature=1.0, max_new_tokens=10, ignore_eos=True)
+    with make_engine(qwen3) as engine:
+        alone = engine.generate(input_ids=[target], sampling_params=params)[0]
+        mixed = engine.generate(input_ids=others[:1] + [target] + others[1:],
+                                sampling_params=[other_params, params, other_params, other_params])[1]
+        reseeded = engine.generate(input_ids=[target], sampling_params=params.replace(sampling_seed=99))[0]
+    assert alone.output_ids == mixed.output_ids
+    assert alone.output_ids != reseeded.output_ids
+
+
+def test_streaming_and_async(qwen3):
+    import asyncio
+
+    batch = prompts(6, [10, 20])
+    with make_engine(qwen3) as engine:
+        final = engine.generate(input_ids=batch, sampling_params=GREEDY, return_logprob=True)
+        chunks = list(engine.generate(input_ids=batch, sampling_params=GREEDY, return_logprob=True, stream=True))
+
+        async def run():
+            got = await engine.async_generate(input_ids=batch, sampling_params=GREEDY)
+            streamed = [c async for c in engine.async_generate(input_ids=batch[:1], sampling_params=GREEDY,
+                                                               stream=True)]
+            return got, streamed
+
+        got, streamed = asyncio.run(run())
+    for out in final:
+        mine = [c for c in chunks if c.rid.startswith(out.rid[:0]) and c.output and c.output.prompt_ids == out.prompt_ids]
+        assert mine
+    by_prompt = {}
+    for c in chunks:
+        by_prompt.setdefault(c.rid, []).append(c)
+    assert len(by_prompt) == 2
+    for rid, cs in by_prompt.items():
+        assert cs[-1].finished and sum(1 for c in cs if c.finished) == 1
+        ids = [t for c in cs for t in c.output_ids]
+        assert ids == cs[-1].output.output_ids
+        assert "".join(c.text for c in cs) == cs[-1].output.text
+        assert [lp for c in cs for lp in c.output_logprobs] == cs[-1].output.output_logprobs
+    assert [o.output_ids for o in got] == [o.output_ids for o in final]
+    assert [t for c in streamed for t in c.output_ids] == final[0].output_ids
+
+
+def test_stop_conditions(qwen3):
+    prompt = prompts(7, [15])[0]
+    with make_engine(qwen3) as engine:
+        free = engine.generate(input_ids=[prompt], sampling_params=GREEDY)[0]
+        tok = free.output_ids[5]
+        first = free.output_ids.index(tok)
+        stopped = engine.generate(input_ids=[prompt], sampling_params={**GREEDY, "stop_token_ids": [tok]})[0]
+        assert stopped.output_ids == free.output_ids[:first + 1]
+        assert stopped.finish_reason == "stop" and stopped.finish_info["matched"] == tok
+        at_least = engine.generate(input_ids=[prompt], sampling_params={**GREEDY, "stop_token_ids": [tok],
+                                                                         "min_new_tokens": first + 2})[0]
+        assert len(at_least.output_ids) > first + 1 and tok not in at_least.output_ids[:first + 2]
+        text = free.text
+        needle = text[len(text) // 2: len(text) // 2 + 2]
+        if needle.strip():
+            s = engine.generate(input_ids=[prompt], sampling_params={**GREEDY, "stop": [needle]})[0]
+            assert s.finish_reason == "stop" and s.finish_info["matched"] == needle
+            assert needle not in s.text and text.startswith(s.text)
+            kept = engine.generate(input_ids=[prompt], sampling_params={**GREEDY, "stop": [needle],
+                                                                        "no_stop_trim": True})[0]
+            assert kept.text.endswith(needle) or needle in kept.text
+        zero = engine.generate(input_ids=[prompt], sampling_params={"max_new_tokens": 0})[0]
+        assert zero.output_ids == [] and zero.finish_reason == "length"
+        engine.check_integrity()
+
+
+def test_to_dict_shape(qwen3):
+    with make_engine(qwen3) as engine:
+        out = engine.generate(input_ids=[[5, 6, 7]], sampling_params={**GREEDY, "max_new_tokens": 4},
+                              return_logprob=True, rid="abc")[0]
+    d = out.to_dict()
+    assert d["output_ids"] == out.output_ids and d["text"] == out.text
+    meta = d["meta_info"]
+    assert meta["id"] == "abc" and meta["finish_reason"] == {"type": "length", "length": 4}
+    assert meta["prompt_tokens"] == 3 and meta["completion_tokens"] == 4
+    assert [row[1] for row in meta["output_token_logprobs"]] == out.output_ids
+    assert meta["weight_version"] == "default"
