@@ -1,0 +1,61 @@
+"""PagedAttention: attention over a request's KV slots in the KVPool, batched with padding."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from rollout.forward_batch import ForwardBatch
+
+
+class PagedAttention(nn.Module):
+    """Writes this forward's k/v into the pool, then attends over every request's slots at once.
+
+    Queries are scattered into a padded [B, max_extend] grid (fb.q_pad_index), keys/values are
+    gathered from the pool as [B, max_seq] (fb.kv_indices) and one SDPA call covers the batch.
+    """
+
+    def __init__(self, *, layer_id: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                 sliding_window: int | None = None):
+        super().__init__()
+        assert num_heads % num_kv_heads == 0, (num_heads, num_kv_heads)
+        self.layer_id = layer_id
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.sliding_window = sliding_window
+        self.scale = head_dim ** -0.5
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fb: ForwardBatch,
+                attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """q [N, H, D], k/v [N, kvH, D] -> [N, H*D]. attn_mask overrides fb.attn_mask (sliding window)."""
+        n, h, d = q.shape
+        pool = fb.kv_pool
+        pool.write(self.layer_id, fb.out_cache_loc, k, v)
+        # NOTE: padded key columns read the sink slot; they are masked out, but must hold finite
+        # values (0 * NaN is NaN after softmax), which holds because only real k/v are written there.
+        keys = pool.k_buffers[self.layer_id][fb.kv_indices].to(q.dtype)      # [B, S, kvH, D]
+        values = pool.v_buffers[self.layer_id][fb.kv_indices].to(q.dtype)    # [B, S, kvH, D]
+        bsz = fb.batch_size
+        q_pad = q.new_zeros(bsz * fb.max_extend, h, d)
+        q_pad[fb.q_pad_index] = q
+        q_pad = q_pad.view(bsz, fb.max_extend, h, d).transpose(1, 2)         # [B, H, E, D]
+        mask = fb.attn_mask if attn_mask is None else attn_mask              # [B, 1, E, S]
+        out = F.scaled_dot_product_attention(
+            q_pad, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask,
+            scale=self.scale, enable_gqa=self.num_heads != self.num_kv_heads)  # [B, H, E, D]
+        out = out.transpose(1, 2).reshape(bsz * fb.max_extend, h * d)
+        return out[fb.q_pad_index]
+
+    @staticmethod
+    def sliding_window_mask(fb: ForwardBatch, window: int) -> torch.Tensor:
+        """fb.attn_mask restricted to keys at positions > q_pos - window (HF's sliding overlay)."""
+        dev = fb.attn_mask.device
+        prefix = fb.seq_lens - fb.extend_lens                                 # [B]
+        q_pos = prefix[:, None] + torch.arange(fb.max_extend, device=dev)     # [B, E]
+        key_pos = torch.arange(fb.attn_mask.shape[-1], device=dev)            # [S]
+        in_window = key_pos[None, None, :] > (q_pos[:, :, None] - window)     # [B, E, S]
+        mask = fb.attn_mask & in_window[:, None]
+        # NOTE: a padded query row may lose every key; give it key 0 back so softmax stays finite.
+        mask[..., 0] |= ~mask.any(-1)
+        return mask

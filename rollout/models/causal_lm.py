@@ -1,0 +1,72 @@
+"""MoeCausalLM: embeddings -> decoder layers -> norm -> lm_head, over a ForwardBatch."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from rollout.forward_batch import ForwardBatch
+from rollout.models.attention import PagedAttention
+from rollout.models.decoder import DecoderLayer
+from rollout.models.layers import RMSNorm, RotaryEmbedding
+from rollout.models.registry import ModelInfo
+from rollout.models.spec import ModelSpec
+
+
+class MoeCausalLM(nn.Module):
+    """Shared body of the supported MoE decoders; subclasses only parse their config.
+
+    Parameter names follow HF (model.layers.{i}.self_attn.q_proj.weight, ...), except the fused
+    experts: model.layers.{i}.mlp.experts.w13 [E, 2I, H] and .w2 [E, H, I] (see loader.py).
+    """
+
+    # (regex, replacement) applied to checkpoint names before mapping (e.g. Mixtral's block_sparse_moe)
+    hf_renames: tuple[tuple[str, str], ...] = ()
+
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        self.spec = spec
+        self.model = nn.Module()
+        self.model.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        self.model.layers = nn.ModuleList(DecoderLayer(spec, i) for i in range(spec.num_hidden_layers))
+        self.model.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        # NOTE: tied embeddings have no lm_head module at all (so no tie can break on .to/.to_empty);
+        # the checkpoint's lm_head.weight, if any, is ignored, as HF does.
+        if not spec.tie_word_embeddings:
+            self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        self.rotary = RotaryEmbedding(spec.head_dim, spec.rope_theta)
+
+    @classmethod
+    def spec_from_config(cls, cfg: dict, generation_config: dict | None = None) -> ModelSpec:
+        raise NotImplementedError
+
+    @classmethod
+    def from_config(cls, cfg: dict, generation_config: dict | None = None) -> "MoeCausalLM":
+        return cls(cls.spec_from_config(cfg, generation_config))
+
+    @property
+    def info(self) -> ModelInfo:
+        return self.spec.info
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight if self.spec.tie_word_embeddings else self.lm_head.weight
+
+    @torch.no_grad()
+    def forward(self, fb: ForwardBatch, return_all_logits: bool = False) -> torch.Tensor:
+        """-> float32 logits [B, vocab] at fb.logits_indices, or [N, vocab] with return_all_logits."""
+        x = self.model.embed_tokens(fb.input_ids)                           # [N, hidden]
+        cos, sin = self.rotary.cos_sin(fb.positions, x.dtype)               # [N, 1, D] x2
+        window_masks: dict[int, torch.Tensor] = {}
+        for layer in self.model.layers:
+            window = layer.self_attn.attn.sliding_window
+            mask = None
+            if window is not None:
+                if window not in window_masks:
+                    window_masks[window] = PagedAttention.sliding_window_mask(fb, window)
+                mask = window_masks[window]
+            x = layer(x, cos, sin, fb, mask)
+        if not return_all_logits:
+            x = x[fb.logits_indices]                                        # [B, hidden]
+        x = self.model.norm(x)
+        return F.linear(x, self.lm_head_weight).float()

@@ -1,0 +1,59 @@
+"""Building blocks shared by the MoE decoders: RMSNorm, rotary embedding, gated MLP."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm over the last dim; normalises in fp32, scales in the input dtype (as HF does)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """Default (NeoX, rotate-half) RoPE. No persistent state, so it survives meta-device init."""
+
+    def __init__(self, head_dim: int, theta: float):
+        super().__init__()
+        assert head_dim % 2 == 0, head_dim
+        self.head_dim = head_dim
+        self.theta = theta
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [N] -> cos, sin [N, 1, head_dim] in dtype (fp32 math, like HF)."""
+        d = self.head_dim
+        inv_freq = 1.0 / (self.theta ** (torch.arange(0, d, 2, dtype=torch.float, device=positions.device) / d))
+        freqs = positions[:, None].float() * inv_freq[None, :]           # [N, d/2]
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]              # [N, 1, d]
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    @staticmethod
+    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [N, heads, head_dim]."""
+        half = x.shape[-1] // 2
+        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return x * cos + rotated * sin
+
+
+class GatedMLP(nn.Module):
+    """down(silu(gate(x)) * up(x)); HF parameter names so checkpoints map one to one."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

@@ -1,0 +1,81 @@
+"""SparseMoE: router + top-k routing + fused experts (+ optional gated shared expert)."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from rollout.forward_batch import ForwardBatch
+from rollout.models.layers import GatedMLP
+from rollout.models.topk import softmax_topk
+
+
+class Router(nn.Module):
+    """Bias-free gate linear; a module so its weight is named `gate.weight` as in HF checkpoints."""
+
+    def __init__(self, hidden_size: int, num_experts: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)                                    # [N, E]
+
+
+class FusedExperts(nn.Module):
+    """All experts' weights stacked: w13 [E, 2I, H] (gate rows then up rows), w2 [E, H, I]."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int):
+        super().__init__()
+        self.num_experts = num_experts
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+
+    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        """x [N, H], topk_weights float32 [N, K], topk_ids int64 [N, K] -> [N, H] in x.dtype."""
+        n, k = topk_ids.shape
+        out = torch.zeros_like(x)
+        flat_ids = topk_ids.reshape(-1)                                    # [N*K]
+        order = torch.argsort(flat_ids, stable=True)                       # [N*K]
+        counts = torch.bincount(flat_ids, minlength=self.num_experts).tolist()
+        token_of = order // k                                              # [N*K] token row
+        weight_of = topk_weights.reshape(-1)[order]                        # [N*K]
+        start = 0
+        for e, cnt in enumerate(counts):
+            if cnt == 0:
+                continue
+            rows = token_of[start:start + cnt]
+            gate, up = F.linear(x[rows], self.w13[e]).chunk(2, dim=-1)     # [cnt, I] each
+            y = F.linear(F.silu(gate) * up, self.w2[e])                    # [cnt, H]
+            # NOTE: routing weight cast to the model dtype before the product, as HF Qwen/OLMoE do
+            # (HF Mixtral multiplies in fp32 then casts; the two differ only by bf16 rounding).
+            y = y * weight_of[start:start + cnt, None].to(y.dtype)
+            out.index_add_(0, rows, y)
+            start += cnt
+        return out
+
+
+class SparseMoE(nn.Module):
+    """Routed experts, plus Qwen2-MoE's shared expert scaled by sigmoid(shared_expert_gate(x))."""
+
+    def __init__(self, *, layer_id: int, hidden_size: int, intermediate_size: int, num_experts: int,
+                 top_k: int, renormalize: bool, shared_intermediate_size: int = 0):
+        super().__init__()
+        self.layer_id = layer_id
+        self.top_k = top_k
+        self.renormalize = renormalize
+        self.gate = Router(hidden_size, num_experts)
+        self.experts = FusedExperts(hidden_size, intermediate_size, num_experts)
+        if shared_intermediate_size > 0:
+            self.shared_expert = GatedMLP(hidden_size, shared_intermediate_size)
+            self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
+        else:
+            self.shared_expert = None
+
+    def forward(self, x: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        """x [N, H] -> [N, H]."""
+        topk_weights, topk_ids = softmax_topk(self.gate(x), self.top_k, self.renormalize,
+                                              capture=fb.capture, layer_id=self.layer_id)
+        out = self.experts(x, topk_weights, topk_ids)
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out

@@ -1,0 +1,116 @@
+"""Architecture registry: config.json's architectures[0] -> model class; ModelInfo; load_model."""
+from __future__ import annotations
+
+import importlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+# architectures[0] -> "module:Class" (imported lazily: the model modules import ModelInfo from here)
+_ARCHITECTURES = {
+    "Qwen3MoeForCausalLM": "rollout.models.qwen3_moe:Qwen3MoeForCausalLM",
+    "Qwen2MoeForCausalLM": "rollout.models.qwen2_moe:Qwen2MoeForCausalLM",
+    "MixtralForCausalLM": "rollout.models.mixtral:MixtralForCausalLM",
+    "OlmoeForCausalLM": "rollout.models.olmoe:OlmoeForCausalLM",
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelInfo:
+    """What the rest of the engine needs to know about a model, read from its config."""
+
+    architecture: str
+    num_hidden_layers: int
+    num_experts: int
+    top_k: int
+    moe_layer_ids: tuple[int, ...]   # layers with a router; the others are dense
+    vocab_size: int
+    hidden_size: int
+    num_attention_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    eos_token_ids: tuple[int, ...]   # config.json's, then generation_config.json's extra ones
+
+    @property
+    def num_moe_layers(self) -> int:
+        return len(self.moe_layer_ids)
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self.eos_token_ids[0] if self.eos_token_ids else None
+
+
+def supported_architectures() -> tuple[str, ...]:
+    return tuple(_ARCHITECTURES)
+
+
+def model_class(architecture: str) -> type:
+    if architecture not in _ARCHITECTURES:
+        raise ValueError(f"unsupported architecture {architecture!r}; supported: "
+                         f"{', '.join(_ARCHITECTURES)}")
+    module, name = _ARCHITECTURES[architecture].split(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def read_config(model_path: str | Path) -> tuple[dict, dict | None]:
+    """(config.json, generation_config.json or None) of a checkpoint directory."""
+    path = Path(model_path)
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        raise ValueError(f"no config.json in model path {str(path)!r}")
+    cfg = json.loads(cfg_file.read_text())
+    gen_file = path / "generation_config.json"
+    gen = json.loads(gen_file.read_text()) if gen_file.is_file() else None
+    return cfg, gen
+
+
+def architecture_of(cfg: dict) -> str:
+    archs = cfg.get("architectures") or []
+    if not archs:
+        raise ValueError(f"config.json has no 'architectures'; supported: {', '.join(_ARCHITECTURES)}")
+    return archs[0]
+
+
+def model_info(model_path: str | Path):
+    """ModelInfo from the config files alone (no weights read)."""
+    cfg, gen = read_config(model_path)
+    return model_class(architecture_of(cfg)).spec_from_config(cfg, gen).info
+
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_dtype(dtype: torch.dtype | str, cfg: dict) -> torch.dtype:
+    """torch dtype, its name, or "auto" (the checkpoint's dtype / torch_dtype, else float32)."""
+    if dtype == "auto":
+        dtype = cfg.get("dtype") or cfg.get("torch_dtype") or "float32"
+    if isinstance(dtype, str):
+        dtype = _DTYPES.get(dtype.removeprefix("torch."), dtype)
+    if dtype not in _DTYPES.values():
+        raise ValueError(f"dtype must be one of {', '.join(_DTYPES)} or 'auto', got {dtype!r}")
+    return dtype
+
+
+def load_model(model_path: str | Path, dtype: torch.dtype | str = "auto",
+               device: str | torch.device = "cpu"):
+    """Build the model for model_path's architecture and load its safetensors weights.
+
+    Returns (model in eval mode, config.json as a dict).
+    """
+    from rollout.models.loader import load_checkpoint
+
+    cfg, gen = read_config(model_path)
+    dtype = resolve_dtype(dtype, cfg)
+    cls = model_class(architecture_of(cfg))
+    spec = cls.spec_from_config(cfg, gen)
+    # NOTE: parameters are created on the meta device (no random init) and then materialised;
+    # load_checkpoint overwrites every one of them or raises.
+    with torch.device("meta"):
+        model = cls(spec).to(dtype)
+    model = model.to_empty(device=torch.device(device))
+    load_checkpoint(model, model_path)
+    model.requires_grad_(False).eval()
+    return model, cfg

@@ -1,0 +1,128 @@
+"""ModelSpec: one normalised description of an MoE decoder, parsed from an HF config.json."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rollout.models.registry import ModelInfo
+
+QK_NORM_MODES = ("none", "head", "full")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelSpec:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    eos_token_ids: tuple[int, ...]
+    qkv_bias: bool = False
+    o_bias: bool = False
+    qk_norm: str = "none"            # "head": RMSNorm over head_dim (Qwen3); "full": over q/k projection (OLMoE)
+    clip_qkv: float | None = None
+    sliding_windows: tuple[int | None, ...] = ()   # per layer; () = no sliding window anywhere
+    intermediate_size: int = 0       # dense MLP layers
+    num_experts: int
+    top_k: int
+    moe_intermediate_size: int
+    shared_expert_intermediate_size: int = 0
+    renormalize: bool
+    moe_layer_ids: tuple[int, ...]
+
+    def __post_init__(self):
+        if self.num_attention_heads % self.num_kv_heads:
+            raise ValueError(f"num_attention_heads={self.num_attention_heads} is not a multiple of "
+                             f"num_key_value_heads={self.num_kv_heads}")
+        if self.qk_norm not in QK_NORM_MODES:
+            raise ValueError(f"qk_norm must be one of {QK_NORM_MODES}, got {self.qk_norm!r}")
+        if not 0 < self.top_k <= self.num_experts:
+            raise ValueError(f"num_experts_per_tok={self.top_k} must be in [1, num_experts={self.num_experts}]")
+        if self.sliding_windows and len(self.sliding_windows) != self.num_hidden_layers:
+            raise ValueError("sliding_windows needs one entry per layer")
+        dense = set(range(self.num_hidden_layers)) - set(self.moe_layer_ids)
+        if dense and self.intermediate_size <= 0:
+            raise ValueError(f"dense layers {sorted(dense)} need intermediate_size > 0")
+
+    def sliding_window(self, layer_id: int) -> int | None:
+        return self.sliding_windows[layer_id] if self.sliding_windows else None
+
+    @property
+    def info(self) -> ModelInfo:
+        return ModelInfo(
+            architecture=self.architecture, num_hidden_layers=self.num_hidden_layers,
+            num_experts=self.num_experts, top_k=self.top_k, moe_layer_ids=self.moe_layer_ids,
+            vocab_size=self.vocab_size, hidden_size=self.hidden_size,
+            num_attention_heads=self.num_attention_heads, num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim, max_position_embeddings=self.max_position_embeddings,
+            eos_token_ids=self.eos_token_ids)
+
+
+def require(cfg: dict, key: str):
+    if cfg.get(key) is None:
+        raise ValueError(f"config.json is missing required field {key!r}")
+    return cfg[key]
+
+
+def rope_theta(cfg: dict, default: float) -> float:
+    """rope_theta from HF 5.x `rope_parameters` or the older top-level rope_theta/rope_scaling."""
+    params = cfg.get("rope_parameters") or {}
+    scaling = cfg.get("rope_scaling") or {}
+    rope_type = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
+    if rope_type != "default":
+        raise ValueError(f"rope type {rope_type!r} is not supported (only 'default')")
+    return float(params.get("rope_theta", cfg.get("rope_theta", default)))
+
+
+def eos_token_ids(cfg: dict, generation_config: dict | None) -> tuple[int, ...]:
+    ids: list[int] = []
+    for source in (cfg, generation_config or {}):
+        eos = source.get("eos_token_id")
+        for t in ([] if eos is None else [eos] if isinstance(eos, int) else eos):
+            if t not in ids:
+                ids.append(int(t))
+    return tuple(ids)
+
+
+def common_fields(cfg: dict, generation_config: dict | None, *, default_theta: float = 10000.0,
+                  default_eps: float = 1e-6, default_max_pos: int = 4096) -> dict:
+    """Fields every supported decoder reads the same way (HF semantics, incl. head_dim fallback)."""
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"hidden_act {cfg['hidden_act']!r} is not supported (only 'silu')")
+    hidden = int(require(cfg, "hidden_size"))
+    heads = int(require(cfg, "num_attention_heads"))
+    return dict(
+        architecture=cfg["architectures"][0],
+        vocab_size=int(require(cfg, "vocab_size")),
+        hidden_size=hidden,
+        num_hidden_layers=int(require(cfg, "num_hidden_layers")),
+        num_attention_heads=heads,
+        num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+        head_dim=int(cfg.get("head_dim") or hidden // heads),
+        rms_norm_eps=float(cfg.get("rms_norm_eps", default_eps)),
+        rope_theta=rope_theta(cfg, default_theta),
+        max_position_embeddings=int(cfg.get("max_position_embeddings", default_max_pos)),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        eos_token_ids=eos_token_ids(cfg, generation_config),
+    )
+
+
+def num_experts(cfg: dict) -> int:
+    # NOTE: HF 5.x save_pretrained writes Qwen3-MoE's count as num_local_experts (attribute_map).
+    n = cfg.get("num_experts", cfg.get("num_local_experts"))
+    if n is None:
+        raise ValueError("config.json is missing required field 'num_experts' (or 'num_local_experts')")
+    return int(n)
+
+
+def sparse_layer_ids(cfg: dict, num_layers: int, n_experts: int) -> tuple[int, ...]:
+    """Qwen2/Qwen3-MoE rule: MoE unless in mlp_only_layers or off the decoder_sparse_step grid."""
+    dense = set(cfg.get("mlp_only_layers") or [])
+    step = int(cfg.get("decoder_sparse_step", 1) or 1)
+    return tuple(i for i in range(num_layers)
+                 if i not in dense and n_experts > 0 and (i + 1) % step == 0)

@@ -1,0 +1,195 @@
+"""Throughput benchmark on an RL-shaped workload (prints a table; --json writes the numbers).
+
+Workload: P prompts of 32-256 tokens, n samples each, per-request max_new_tokens spread over
+16-256, ignore_eos. Measured side by side in one run:
+  engine (capture off) | engine (capture on, return_routed_experts) | transformers generate
+  (one batch of all requests to the largest max_new_tokens, truncated) | the model's bare forward
+at decode batch sizes, and the engine's decode step time at batch 64 against that bare forward.
+Also the routing wire size per token and host store bytes per KV slot (scripts/bench_wire.py).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from rollout import Rollout  # noqa: E402
+from rollout.config import DEFAULT_MODEL_PATH, EngineConfig  # noqa: E402
+from rollout.engine_core import EngineCore  # noqa: E402
+from rollout.forward_batch import ForwardBatch  # noqa: E402
+from rollout.request import Req  # noqa: E402
+from rollout.sampling_params import SamplingParams  # noqa: E402
+
+
+def workload(num_prompts: int, n: int, vocab: int, seed: int = 0):
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(3, vocab) for _ in range(rng.randint(32, 256))] for _ in range(num_prompts)]
+    params = []
+    for _ in range(num_prompts):
+        params.append([rng.randint(16, 256) for _ in range(n)])
+    return prompts, params
+
+
+def run_engine(engine: Rollout, prompts, max_news, capture: bool) -> tuple[float, int]:
+    input_ids, sps = [], []
+    for prompt, news in zip(prompts, max_news):
+        for k, m in enumerate(news):
+            input_ids.append(prompt)
+            sps.append({"temperature": 1.0, "max_new_tokens": m, "ignore_eos": True, "sampling_seed": 1000 + k})
+    assert engine.flush_cache()
+    t0 = time.perf_counter()
+    outs = engine.generate(input_ids=input_ids, sampling_params=sps, return_logprob=True,
+                           return_routed_experts=capture)
+    dt = time.perf_counter() - t0
+    tokens = sum(len(o.output_ids) for o in outs)
+    assert tokens == sum(sum(m) for m in max_news)
+    return dt, tokens
+
+
+def run_hf(model_path: str, prompts, max_news) -> tuple[float, int]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    rows = [(p, m) for p, news in zip(prompts, max_news) for m in news]
+    width = max(len(p) for p, _ in rows)
+    ids = torch.zeros((len(rows), width), dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, (p, _) in enumerate(rows):   # left padding, as generate wants
+        ids[i, width - len(p):] = torch.tensor(p)
+        mask[i, width - len(p):] = 1
+    longest = max(m for _, m in rows)
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0, top_k=0,
+                             top_p=1.0, max_new_tokens=longest, min_new_tokens=longest, pad_token_id=0)
+    dt = time.perf_counter() - t0
+    assert out.shape[1] == width + longest
+    return dt, sum(m for _, m in rows)   # useful tokens after truncating each row to its max_new_tokens
+
+
+def decode_batch(core: EngineCore, bsz: int, ctx: int) -> ForwardBatch:
+    slots = core.kv_pool.alloc(bsz * (ctx + 1))
+    assert slots is not None, "KV pool too small for the bare-forward benchmark"
+    per = slots.view(bsz, ctx + 1)
+    fb = ForwardBatch.build(input_ids=[5] * bsz, out_cache_loc=per[:, -1].clone(), prefix_lens=[ctx] * bsz,
+                            extend_lens=[1] * bsz, req_slots=list(per), kv_pool=core.kv_pool)
+    core.kv_pool.free(slots)
+    return fb
+
+
+@torch.inference_mode()
+def bare_forward_time(core: EngineCore, bsz: int, ctx: int, repeats: int) -> float:
+    fb = decode_batch(core, bsz, ctx)
+    core.model(fb)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        core.model(fb)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def engine_decode_overhead(model_path: str, bsz: int, prompt_len: int, new: int, capture: bool) -> dict:
+    """Engine decode step time at batch bsz vs the bare model forward at the same shapes."""
+    core = EngineCore(EngineConfig(model_path=model_path, enable_return_routed_experts=capture,
+                                   max_running_requests=bsz))
+    rng = random.Random(1)
+    for i in range(bsz):
+        core.add_request(Req(rid=str(i), prompt_ids=[rng.randrange(3, 500) for _ in range(prompt_len)],
+                             params=SamplingParams(temperature=1.0, max_new_tokens=new, ignore_eos=True),
+                             seed=i, return_routed_experts=capture, max_total_len=core.context_length))
+    while core.scheduler.waiting:
+        core.step()
+    step_times = []
+    while core.has_work():
+        t0 = time.perf_counter()
+        core.step()
+        step_times.append(time.perf_counter() - t0)
+    ctxs = list(range(prompt_len + 1, prompt_len + new, max(1, new // 8)))
+    bare = statistics.mean(bare_forward_time(core, bsz, c, 5) for c in ctxs)
+    step = statistics.median(step_times)
+    return {"batch": bsz, "capture": capture, "step_ms": step * 1e3, "bare_forward_ms": bare * 1e3,
+            "overhead": 1 - bare / step}
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model-path", default=DEFAULT_MODEL_PATH)
+    ap.add_argument("--prompts", type=int, default=16)
+    ap.add_argument("--n", type=int, default=8)
+    ap.add_argument("--repeats", type=int, default=3, help="alternating engine runs (capture off/on)")
+    ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--json", metavar="PATH")
+    args = ap.parse_args(argv)
+    torch.manual_seed(0)
+    res: dict = {"torch": torch.__version__, "threads": torch.get_num_threads(), "model": args.model_path}
+    with Rollout(args.model_path, enable_return_routed_experts=True) as probe:
+        vocab = probe.info.vocab_size
+    prompts, max_news = workload(args.prompts, args.n, vocab)
+    total = sum(sum(m) for m in max_news)
+    print(f"workload: {args.prompts} prompts x n={args.n}, {total} output tokens")
+
+    off = Rollout(args.model_path)
+    on = Rollout(args.model_path, enable_return_routed_experts=True)
+    run_engine(off, prompts[:2], [m[:2] for m in max_news[:2]], False)   # warm-up
+    run_engine(on, prompts[:2], [m[:2] for m in max_news[:2]], True)
+    t_off, t_on = [], []
+    for _ in range(args.repeats):
+        t_off.append(run_engine(off, prompts, max_news, False)[0])
+        t_on.append(run_engine(on, prompts, max_news, True)[0])
+    off.shutdown()
+    on.shutdown()
+    tps_off, tps_on = total / statistics.median(t_off), total / statistics.median(t_on)
+    res["engine_tok_s"], res["engine_capture_tok_s"] = tps_off, tps_on
+    res["capture_on_off_ratio"] = tps_on / tps_off
+    if not args.skip_hf:
+        dt, useful = run_hf(args.model_path, prompts, max_news)
+        res["hf_tok_s"] = useful / dt
+        res["engine_vs_hf"] = tps_off / res["hf_tok_s"]
+    core = EngineCore(EngineConfig(model_path=args.model_path))
+    res["bare_forward"] = []
+    for bsz in (1, 8, 32, 64, 128):
+        t = bare_forward_time(core, bsz, 200, 10)
+        res["bare_forward"].append({"batch": bsz, "ctx": 200, "ms": t * 1e3, "tok_s": bsz / t})
+    del core
+    res["decode_overhead"] = [engine_decode_overhead(args.model_path, 64, 144, 64, cap) for cap in (False, True)]
+
+    print("\n| measurement | output tok/s | ratio |")
+    print("|---|---|---|")
+    print(f"| engine, capture off | {tps_off:.0f} | 1.00 |")
+    print(f"| engine, capture on (return_routed_experts) | {tps_on:.0f} | {tps_on / tps_off:.3f} (on/off) |")
+    if "hf_tok_s" in res:
+        print(f"| transformers generate (batched, truncated) | {res['hf_tok_s']:.0f} | "
+              f"{res['engine_vs_hf']:.2f}x (engine/hf) |")
+    print("\n| bare forward, decode batch | ctx | ms/step | tok/s |")
+    print("|---|---|---|---|")
+    for r in res["bare_forward"]:
+        print(f"| {r['batch']} | {r['ctx']} | {r['ms']:.2f} | {r['tok_s']:.0f} |")
+    print("\n| engine decode step, batch 64 | step ms | bare forward ms | engine overhead |")
+    print("|---|---|---|---|")
+    for r in res["decode_overhead"]:
+        print(f"| capture {'on' if r['capture'] else 'off'} | {r['step_ms']:.2f} | {r['bare_forward_ms']:.2f} | "
+              f"{100 * r['overhead']:.1f}% |")
+    import bench_wire
+
+    wire = [bench_wire.bench(s, 4096, 3) for s in bench_wire.SHAPES]
+    print()
+    bench_wire.print_table(wire)
+    res["wire"] = wire
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=2)
+        print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# The main job on the embedded default model (configs/tiny-moe): installs into .venv on first use,
+# then generates a batch of RL rollouts with logprobs and routed experts and prints them.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+bash scripts/setup_env.sh ""
+export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+exec .venv/bin/python scripts/demo.py "$@"

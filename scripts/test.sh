@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Installs what the tests need into .venv (created on first use) and runs the test suite.
+#   bash scripts/test.sh            default suite (CPU, no slow tests)
+#   bash scripts/test.sh --slow     only the tests marked slow (multi-process, load, long runs)
+#   bash scripts/test.sh --all      everything
+# Extra arguments after these go to pytest.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+bash scripts/setup_env.sh "dev,train"
+MARK="not slow"
+case "${1:-}" in
+  --slow) MARK="slow"; shift ;;
+  --all) MARK=""; shift ;;
+esac
+export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 WANDB_MODE=offline TOKENIZERS_PARALLELISM=false
+export DS_ACCELERATOR=cpu DS_BUILD_OPS=0
+ARGS=(-q -p no:cacheprovider --timeout=900)
+if [ -n "$MARK" ]; then ARGS+=(-m "$MARK"); fi
+exec .venv/bin/python -m pytest "${ARGS[@]}" "$@" tests

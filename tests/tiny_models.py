@@ -1,0 +1,76 @@
+"""Tiny random HF MoE checkpoints (built from configs, never downloaded) for tests."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
+
+_COMMON = dict(vocab_size=256, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
+               num_key_value_heads=2, max_position_embeddings=512, bos_token_id=1, eos_token_id=2,
+               pad_token_id=0, tie_word_embeddings=False)
+_PER_ARCH = {
+    # head_dim 32 != hidden/heads on purpose (real Qwen3-MoE does this too)
+    "qwen3_moe": dict(head_dim=32, intermediate_size=96, moe_intermediate_size=32, num_experts=8,
+                      num_experts_per_tok=2, norm_topk_prob=True),
+    # layer 0 dense via mlp_only_layers; shared expert with sigmoid gate
+    "qwen2_moe": dict(intermediate_size=96, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                      num_experts=8, num_experts_per_tok=2, mlp_only_layers=[0], norm_topk_prob=False),
+    "mixtral": dict(intermediate_size=32, num_local_experts=8, num_experts_per_tok=2),
+    "olmoe": dict(intermediate_size=32, num_experts=8, num_experts_per_tok=2, clip_qkv=2.5,
+                  norm_topk_prob=False),
+}
+
+
+def tiny_config(arch: str, **overrides):
+    from transformers import MixtralConfig, OlmoeConfig, Qwen2MoeConfig, Qwen3MoeConfig
+
+    classes = {"qwen3_moe": Qwen3MoeConfig, "qwen2_moe": Qwen2MoeConfig,
+               "mixtral": MixtralConfig, "olmoe": OlmoeConfig}
+    if arch not in classes:
+        raise ValueError(f"unknown tiny arch {arch!r}; choose from {ARCHS}")
+    return classes[arch](**{**_COMMON, **_PER_ARCH[arch], **overrides})
+
+
+def make_tiny_checkpoint(arch: str, path: str | Path, seed: int = 0, std: float = 0.15,
+                         max_shard_size: str | None = None, **overrides) -> Path:
+    """Save a tiny random `arch` model with save_pretrained (safetensors) + generation_config.
+
+    Every parameter is redrawn (norm weights around 1, biases small) so that routing, norms and
+    biases are all exercised; config fields can be overridden, e.g. tie_word_embeddings=True.
+    """
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    path = Path(path)
+    cfg = tiny_config(arch, **overrides)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen)
+            if "norm" in name:
+                p.copy_(1.0 + 0.2 * noise)
+            elif name.endswith(".bias"):
+                p.copy_(0.1 * noise)
+            else:
+                p.copy_(std * noise)
+    model.generation_config = GenerationConfig(bos_token_id=1, eos_token_id=[2, 3], pad_token_id=0)
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(path, safe_serialization=True, **kwargs)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory):
+    """tiny_checkpoint(arch, **overrides) -> path; each distinct checkpoint is built once per session."""
+    cache: dict[str, Path] = {}
+
+    def get(arch: str, **overrides) -> Path:
+        key = f"{arch}:{sorted(overrides.items())!r}"
+        if key not in cache:
+            cache[key] = make_tiny_checkpoint(arch, tmp_path_factory.mktemp(f"tiny_{arch}"), **overrides)
+        return cache[key]
+
+    return get
