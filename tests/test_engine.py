@@ -190,3 +190,50 @@ def test_to_dict_shape(qwen3):
     assert meta["prompt_tokens"] == 3 and meta["completion_tokens"] == 4
     assert [row[1] for row in meta["output_token_logprobs"]] == out.output_ids
     assert meta["weight_version"] == "default"
+
+
+def test_top_logprobs_and_modes(qwen3):
+    prompt = prompts(8, [11])[0]
+    with make_engine(qwen3) as engine:
+        out = engine.generate(input_ids=[prompt], sampling_params={**GREEDY, "max_new_tokens": 6},
+                              return_logprob=True, top_logprobs_num=5)[0]
+        scaled = engine.generate(input_ids=[prompt], return_logprob=True,
+                                 sampling_params={"temperature": 0.5, "max_new_tokens": 6, "ignore_eos": True,
+                                                  "sampling_seed": 3, "logprob_mode": "scaled"})[0]
+        processed = engine.generate(input_ids=[prompt], return_logprob=True,
+                                    sampling_params={"temperature": 0.5, "top_k": 3, "max_new_tokens": 6,
+                                                     "ignore_eos": True, "sampling_seed": 3,
+                                                     "logprob_mode": "processed"})[0]
+    from oracle import hf_model
+
+    with torch.no_grad():
+        logits = hf_model(str(qwen3))(torch.tensor([prompt + out.output_ids])).logits[0].float()
+    lp = torch.log_softmax(logits[len(prompt) - 1:-1], dim=-1)
+    for i, row in enumerate(out.output_top_logprobs):
+        ref_lp, ref_ids = torch.topk(lp[i], 5)
+        assert [t for _, t in row] == ref_ids.tolist()
+        assert torch.allclose(torch.tensor([v for v, _ in row]), ref_lp, atol=1e-4)
+    with torch.no_grad():
+        logits = hf_model(str(qwen3))(torch.tensor([prompt + scaled.output_ids])).logits[0].float()
+    ref = torch.log_softmax(logits[len(prompt) - 1:-1] / 0.5, dim=-1)
+    ref = ref.gather(1, torch.tensor(scaled.output_ids)[:, None]).squeeze(1)
+    assert torch.allclose(torch.tensor(scaled.output_logprobs), ref, atol=1e-4)
+    with torch.no_grad():
+        logits = hf_model(str(qwen3))(torch.tensor([prompt + processed.output_ids])).logits[0].float()
+    scaled_logits = logits[len(prompt) - 1:-1] / 0.5
+    kth = torch.topk(scaled_logits, 3, dim=-1).values[:, -1:]
+    ref = torch.log_softmax(scaled_logits.masked_fill(scaled_logits < kth, float("-inf")), dim=-1)
+    ref = ref.gather(1, torch.tensor(processed.output_ids)[:, None]).squeeze(1)
+    assert torch.allclose(torch.tensor(processed.output_logprobs), ref, atol=1e-4)
+
+
+def test_bfloat16_engine_runs(qwen3):
+    prompt = prompts(9, [13])[0]
+    with make_engine(qwen3, dtype="bfloat16", enable_return_routed_experts=True) as engine:
+        out = engine.generate(input_ids=[prompt], sampling_params={**GREEDY, "max_new_tokens": 8},
+                              return_logprob=True, return_routed_experts=True)[0]
+        engine.check_integrity()
+    ref = hf_greedy(qwen3, prompt, 8)
+    assert len(out.output_ids) == 8 and all(torch.isfinite(torch.tensor(out.output_logprobs)))
+    assert out.output_ids[:2] == ref[:2]  # bf16 rounding may drift later tokens
+    assert out.routed_experts.shape == (len(prompt) + 7, 3, 2)
