@@ -17,4 +17,11 @@ export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 WANDB_MODE=offline TOKENIZERS_PARA
 export DS_ACCELERATOR=cpu DS_BUILD_OPS=0
 ARGS=(-q -p no:cacheprovider --timeout=900)
 if [ -n "$MARK" ]; then ARGS+=(-m "$MARK"); fi
-exec .venv/bin/python -m pytest "${ARGS[@]}" "$@" tests
+set +e
+.venv/bin/python -m pytest "${ARGS[@]}" "$@" tests
+rc=$?
+set -e
+if [ "$rc" -eq 5 ] && [ "$MARK" = "slow" ]; then
+  echo "no tests marked slow"; rc=0   # NOTE: pytest exits 5 when a marker selects nothing
+fi
+exit "$rc"
