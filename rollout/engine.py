@@ -7,6 +7,7 @@ import logging
 import queue
 import random
 import threading
+import time
 import uuid
 from concurrent.futures import Future
 from typing import Any, AsyncIterator, Callable, Iterator, Optional, Sequence, Union
@@ -88,7 +89,12 @@ class Rollout:
         elif model_path is not None or kwargs:
             raise ValueError("pass either config or model_path/keyword settings, not both")
         self.config = config
-        self._core = EngineCore(config)
+        if config.dp_size > 1:
+            from rollout.dp_coordinator import DPCoordinator  # noqa: PLC0415 (imports this module)
+
+            self._core = DPCoordinator(config)
+        else:
+            self._core = EngineCore(config)
         self.info = self._core.info
         self.tokenizer = self._core.tokenizer
         self._rng = random.Random(config.seed)
@@ -202,7 +208,7 @@ class Rollout:
 
     def _build(self, prompts: Any, input_ids: Any, sampling_params: ParamsArg, return_logprob: Any,
                top_logprobs_num: Any, return_routed_experts: Any, routed_experts_start_len: Any, rid: Any,
-               stream: bool) -> list[Req]:
+               stream: bool, routed_dp_rank: Any = None) -> list[Req]:
         batch = self._prompt_ids(prompts, input_ids)
         n_prompts = len(batch)
         if isinstance(sampling_params, (list, tuple)):
@@ -219,14 +225,19 @@ class Rollout:
                              f"{min(MAX_TOP_LOGPROBS, self.info.vocab_size)}], got {top_logprobs_num!r}")
         if not isinstance(return_routed_experts, bool):
             raise ValueError(f"return_routed_experts must be a boolean, got {return_routed_experts!r}")
-        if return_routed_experts and self._core.capturer is None:
+        if return_routed_experts and not self._core.capture_enabled:
             raise ValueError("return_routed_experts=True needs an engine started with "
                              "enable_return_routed_experts=True")
         starts = self._per_prompt("routed_experts_start_len", routed_experts_start_len, n_prompts, ())
         rids = self._per_prompt("rid", rid, n_prompts, (str,))
-        capacity = self._core.kv_pool.num_slots
+        capacity = self._core.kv_capacity
+        dp_ranks = self._per_prompt("routed_dp_rank", routed_dp_rank, n_prompts, ())
         reqs: list[Req] = []
-        for i, (ids, p, start, r) in enumerate(zip(batch, params, starts, rids)):
+        for i, (ids, p, start, r, dp_rank) in enumerate(zip(batch, params, starts, rids, dp_ranks)):
+            if dp_rank is not None and (isinstance(dp_rank, bool) or not isinstance(dp_rank, int)
+                                        or not 0 <= dp_rank < self.config.dp_size):
+                raise ValueError(f"routed_dp_rank must be None or an integer in [0, {self.config.dp_size}) "
+                                 f"(dp_size), got {dp_rank!r}")
             p.check_vocab(self.info.vocab_size)
             if isinstance(start, bool) or not isinstance(start, int) or not 0 <= start <= len(ids):
                 raise ValueError(f"routed_experts_start_len must be an integer in [0, {len(ids)}] "
@@ -248,7 +259,7 @@ class Rollout:
                     rid=child, prompt_ids=list(ids), params=p, seed=_derive_seed(seed, k),
                     return_logprob=return_logprob, top_logprobs_num=top_logprobs_num,
                     return_routed_experts=return_routed_experts, routed_experts_start_len=start, stream=stream,
-                    max_total_len=self._core.context_length, detokenizer=detok))
+                    max_total_len=self._core.context_length, detokenizer=detok, routed_dp_rank=dp_rank))
         seen = [r.rid for r in reqs]
         if len(set(seen)) != len(seen):
             raise ValueError("rid values must be unique within a call")
@@ -291,11 +302,14 @@ class Rollout:
     # ---- public API ----------------------------------------------------------------------------
     def generate(self, prompts: Any = None, sampling_params: ParamsArg = None, *, input_ids: Any = None,
                  return_logprob: bool = False, top_logprobs_num: int = 0, return_routed_experts: bool = False,
-                 routed_experts_start_len: Any = 0, rid: Any = None, stream: bool = False
-                 ) -> Union[list[RolloutOutput], Iterator[StreamChunk]]:
-        """Outputs in prompt order (each prompt's n samples together); stream=True yields chunks."""
+                 routed_experts_start_len: Any = 0, rid: Any = None, stream: bool = False,
+                 routed_dp_rank: Any = None) -> Union[list[RolloutOutput], Iterator[StreamChunk]]:
+        """Outputs in prompt order (each prompt's n samples together); stream=True yields chunks.
+
+        routed_dp_rank (dp_size > 1): pin the requests (or each prompt, given a list) to one DP rank;
+        None lets the engine pick the least loaded rank."""
         reqs = self._build(prompts, input_ids, sampling_params, return_logprob, top_logprobs_num,
-                           return_routed_experts, routed_experts_start_len, rid, stream)
+                           return_routed_experts, routed_experts_start_len, rid, stream, routed_dp_rank)
         q: "queue.Queue[Any]" = queue.Queue()
         rids = self._submit(reqs, q.put)
         if stream:
@@ -326,10 +340,11 @@ class Rollout:
 
     def async_generate(self, prompts: Any = None, sampling_params: ParamsArg = None, *, input_ids: Any = None,
                        return_logprob: bool = False, top_logprobs_num: int = 0, return_routed_experts: bool = False,
-                       routed_experts_start_len: Any = 0, rid: Any = None, stream: bool = False) -> AsyncGeneration:
+                       routed_experts_start_len: Any = 0, rid: Any = None, stream: bool = False,
+                       routed_dp_rank: Any = None) -> AsyncGeneration:
         """`await engine.async_generate(...)` -> outputs; `async for c in engine.async_generate(..., stream=True)`."""
         reqs = self._build(prompts, input_ids, sampling_params, return_logprob, top_logprobs_num,
-                           return_routed_experts, routed_experts_start_len, rid, stream)
+                           return_routed_experts, routed_experts_start_len, rid, stream, routed_dp_rank)
         return AsyncGeneration(lambda sink: self._submit(reqs, sink), stream)
 
     def abort(self, rid: str) -> bool:
@@ -348,9 +363,7 @@ class Rollout:
         self._call(lambda core: core.check_integrity())
 
     def stats(self) -> dict[str, Any]:
-        return self._call(lambda core: dict(core.stats, num_retractions=core.scheduler.num_retractions,
-                                            kv_used=core.kv_pool.used(), kv_total=core.kv_pool.num_slots,
-                                            running=len(core.scheduler.running), waiting=len(core.scheduler.waiting)))
+        return self._call(lambda core: core.stats_report())
 
     def shutdown(self) -> None:
         if self._thread.is_alive() and not self._stopping and self._error is None:
@@ -360,9 +373,96 @@ class Rollout:
                 pass
         self._stopping = True
         self._thread.join(timeout=30)
+        self._core.close()
 
     def __enter__(self) -> "Rollout":
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self.shutdown()
+
+    # ---- server support ----
+    @property
+    def model(self) -> Any:
+        """The model module; read its names/shapes/dtypes freely, change weights only via swap_weights."""
+        return self._core.model
+
+    @property
+    def weight_version(self) -> str:
+        return self._core.weight_version
+
+    @property
+    def paused_mode(self) -> Optional[str]:
+        return self._core.paused_mode
+
+    def submit(self, sink: Callable[[Any], None], prompts: Any = None, sampling_params: ParamsArg = None, *,
+               input_ids: Any = None, return_logprob: bool = False, top_logprobs_num: int = 0,
+               return_routed_experts: bool = False, routed_experts_start_len: Any = 0, rid: Any = None,
+               stream: bool = False, routed_dp_rank: Any = None) -> list[str]:
+        """Validates and queues like generate(); sink(item) is then called on the engine thread with
+        each StreamChunk (stream) or RolloutOutput, or an exception. Returns the request ids in
+        output order (prompt-major)."""
+        reqs = self._build(prompts, input_ids, sampling_params, return_logprob, top_logprobs_num,
+                           return_routed_experts, routed_experts_start_len, rid, stream, routed_dp_rank)
+        return self._submit(reqs, sink)
+
+    def abort_nowait(self, rids: Sequence[str]) -> None:
+        """Queues aborts without waiting (safe from an event loop); unknown or finished ids are ignored."""
+        if self._error is None and not self._stopping:
+            rids = list(rids)
+            self._cmds.put(lambda: [self._core.abort(r) for r in rids])
+
+    def pause_generation(self, mode: str = "abort") -> int:
+        """See EngineCore.pause; returns how many requests were aborted/retracted/held."""
+        return self._call(lambda core: core.pause(mode))
+
+    def continue_generation(self) -> bool:
+        return self._call(lambda core: core.resume())
+
+    def loads(self) -> list[dict]:
+        return self._call(lambda core: core.load_report())
+
+    def swap_weights(self, staged: dict, *, weight_version: Optional[str] = None,
+                     abort_all_requests: bool = False, poll_s: float = 0.005) -> int:
+        """Installs already validated and staged HF-named tensors, all at once, between steps.
+
+        With abort_all_requests every request in flight is aborted first (partial outputs).
+        Otherwise no new request is admitted and the swap waits for the running ones to finish
+        (queued requests then run on the new weights); paused, the running requests are retracted
+        instead. The prefix cache is flushed and weight_version set (when given). Blocks the
+        calling thread; returns the tensors copied.
+        """
+        def begin(core: EngineCore) -> None:
+            if abort_all_requests:
+                core.abort_all()
+            core.hold_admission()
+
+        def ready(core: EngineCore) -> bool:
+            # NOTE: a cheap check first, so the staged tensors go to try_swap_weights (to every DP
+            # rank) only once the running requests are done (or paused, when they get retracted).
+            return core.paused_mode is not None or not any(ld["num_running_reqs"] for ld in core.load_report())
+
+        self._call(begin)
+        try:
+            while True:
+                if self._call(ready):
+                    count = self._call(lambda core: core.try_swap_weights(staged, weight_version))
+                    if count is not None:
+                        return count
+                time.sleep(poll_s)
+        finally:
+            if self._error is None and not self._stopping:
+                self._call(lambda core: core.release_admission())
+
+    @property
+    def context_length(self) -> int:
+        return self._core.context_length
+
+    @property
+    def kv_capacity(self) -> int:
+        """KV slots in the pool: a request's prompt + max_new_tokens must fit in it."""
+        return self._core.kv_capacity
+
+    @property
+    def is_alive(self) -> bool:
+        return self._error is None and not self._stopping and self._thread.is_alive()

@@ -2,11 +2,11 @@
 from __future__ import annotations
 
 import logging
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
-from capture.buffer_sizing import ForwardShapeLimits
+from capture.buffer_sizing import ForwardShapeLimits, capture_buffer_rows
 from capture.capturer import RoutedExpertsCapturer
 from rollout.config import EngineConfig
 from rollout.kv_pool import KVPool
@@ -14,6 +14,8 @@ from rollout.model_runner import ModelRunner
 from rollout.models.registry import load_model
 from rollout.output import RolloutOutput
 from rollout.radix_cache import RadixCache
+from rollout.runners.capture_profiler import GraphCaptureProfiler
+from rollout.runners.runner_plan import RunnerPlan
 from rollout.request import FinishReason, Req, ReqState
 from rollout.sampler import sample
 from rollout.scheduler import Scheduler
@@ -25,8 +27,15 @@ DEFAULT_KV_CACHE_BYTES = 512 * 2**20
 
 
 class EngineCore:
-    def __init__(self, cfg: EngineConfig):
+    def __init__(self, cfg: EngineConfig, *, ep_group: Optional[Any] = None):
+        """One DP rank's engine. ep_group: this rank's EPGroup when dp_size > 1 (a DP worker builds
+        it; Rollout runs dp_size > 1 through DPCoordinator)."""
+        if cfg.dp_size > 1 and ep_group is None:
+            raise ValueError(f"dp_size={cfg.dp_size}: EngineCore runs one DP rank and needs its ep_group; "
+                             f"use Rollout (DPCoordinator) for dp_size > 1")
         self.cfg = cfg
+        self.ep_group = ep_group
+        self.dp_rank = ep_group.rank if ep_group is not None else 0
         self.device = torch.device(cfg.device)
         self.tokenizer = Tokenizer(cfg.resolved_tokenizer_path)
         self.model, _ = load_model(cfg.model_path, cfg.dtype, self.device)
@@ -47,14 +56,23 @@ class EngineCore:
                                    max_running_requests=cfg.max_running_requests,
                                    prefill_token_budget=self.prefill_token_budget,
                                    on_retract=self._save_routing)
+        # NOTE: one ForwardShapeLimits sizes the capture buffer and builds the runners (invariant 1).
+        limits = self.forward_shape_limits
         self.capturer: Optional[RoutedExpertsCapturer] = None
         if cfg.enable_return_routed_experts:
+            RunnerPlan(limits).check_capture_fits(capture_buffer_rows(limits), cfg.max_capture_buffer_rows)
             self.capturer = RoutedExpertsCapturer(
-                limits=self.forward_shape_limits, num_slots=num_slots + 1,
+                limits=limits, num_slots=num_slots + 1,
                 num_layers=self.info.num_hidden_layers, top_k=self.info.top_k,
-                num_experts=self.info.num_experts, moe_layer_ids=self.info.moe_layer_ids, device=self.device)
-        self.runner = ModelRunner(model=self.model, kv_pool=self.kv_pool, device=self.device,
-                                  capture_buffer=self.capturer.buffer if self.capturer else None)
+                num_experts=self.info.num_experts, moe_layer_ids=self.info.moe_layer_ids,
+                dp_rank=self.dp_rank, device=self.device)
+        self.runner = ModelRunner(model=self.model, kv_pool=self.kv_pool, device=self.device, limits=limits,
+                                  capture_buffer=self.capturer.buffer if self.capturer else None,
+                                  seq_capacity=self.context_length, ep_group=ep_group,
+                                  variant_axes=cfg.graph_variant_axes)
+        if self.capturer is not None:
+            self.runner.plan.check_capture_fits(self.capturer.buffer.rows)
+        self.runner.capture(GraphCaptureProfiler(cfg.resolved_profile_graph_capture_dir))
         self.stats = {"num_forwards": 0, "num_prefill_forwards": 0, "num_decode_forwards": 0,
                       "prompt_tokens": 0, "generated_tokens": 0, "finished_requests": 0,
                       "aborted_requests": 0}
@@ -72,7 +90,7 @@ class EngineCore:
         self.scheduler.add(req)
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() and self._may_step()
 
     def abort(self, rid: str) -> bool:
         req = self.scheduler.find(rid)
@@ -97,12 +115,41 @@ class EngineCore:
     def check_integrity(self) -> None:
         self.scheduler.check_integrity()
 
+    @property
+    def kv_capacity(self) -> int:
+        """KV slots of this rank (a request's prompt + max_new_tokens must fit them)."""
+        return self.kv_pool.num_slots
+
+    @property
+    def capture_enabled(self) -> bool:
+        return self.capturer is not None
+
+    def stats_report(self) -> dict:
+        return dict(self.stats, num_retractions=self.scheduler.num_retractions, kv_used=self.kv_pool.used(),
+                    kv_total=self.kv_pool.num_slots, running=len(self.scheduler.running),
+                    waiting=len(self.scheduler.waiting))
+
+    def recent_layouts(self) -> list:
+        """The GatherLayouts of the latest forwards (oldest first), for tests and debugging."""
+        return list(self.runner.recent_layouts)
+
+    def close(self) -> None:
+        """Nothing to release in-process (DPCoordinator stops its workers here)."""
+
     # ---- stepping ------------------------------------------------------------------------------
     def step(self) -> None:
-        batch = self.scheduler.schedule()
-        if batch is None:
-            return
+        if self.ep_group is None:
+            batch = self.scheduler.schedule()
+            if batch is None:
+                return
+        else:
+            # NOTE: DP: every rank steps together and runs a forward (empty when it has nothing),
+            # since the forward's collectives need every rank.
+            batch = self.scheduler.schedule() if self.has_work() else None
         out = self.runner.forward(batch)
+        if batch is None or out is None:
+            return
+        self.stats[f"forwards_{out.runner}"] = self.stats.get(f"forwards_{out.runner}", 0) + 1
         if self.capturer is not None:
             self.capturer.commit(out.layout, batch.out_cache_loc)
         if batch.is_prefill:
@@ -238,3 +285,88 @@ class EngineCore:
         req.sent_tokens = len(req.output_ids)
         if req.sink is not None:
             req.sink(chunk)
+
+    # ---- server support ----
+    # NOTE: class-level defaults, so the constructor above needs no change.
+    PAUSE_MODES = ("abort", "retract", "in_place")
+    paused_mode: Optional[str] = None      # None (running) | "abort" | "retract" | "in_place"
+    _admission_holds: int = 0              # > 0 while weight updates wait for running requests
+    _held_max_running: int = 0
+
+    def _may_step(self) -> bool:
+        """Whether the engine thread should step: never while paused; only for admitted requests
+        while a weight update holds admission (so an idle queue never makes the loop spin)."""
+        if self.paused_mode is not None:
+            return False
+        return not self._admission_holds or bool(self.scheduler.running)
+
+    def pause(self, mode: str) -> int:
+        """Stops scheduling until resume(). abort: finish every request as aborted; retract: move
+        running requests back to the queue (KV freed, tokens kept); in_place: keep everything.
+        Requests added while paused wait in the queue. Returns the requests aborted/retracted/held."""
+        if mode not in self.PAUSE_MODES:
+            raise ValueError(f"mode must be one of {list(self.PAUSE_MODES)}, got {mode!r}")
+        if mode == "abort":
+            count = self.abort_all()
+        elif mode == "retract":
+            count = self.retract_running()
+        else:
+            count = len(self.scheduler.running)
+        self.paused_mode = mode
+        return count
+
+    def resume(self) -> bool:
+        was_paused = self.paused_mode is not None
+        self.paused_mode = None
+        return was_paused
+
+    def retract_running(self) -> int:
+        # newest first: each goes to the queue's front, so the oldest ends up first again
+        running = sorted(self.scheduler.running, key=lambda r: r.admit_seq, reverse=True)
+        for req in running:
+            self.scheduler.retract(req)
+        return len(running)
+
+    def hold_admission(self) -> None:
+        """No new request is admitted (running ones continue) until release_admission()."""
+        if self._admission_holds == 0:
+            # NOTE: the scheduler admits nothing new while max_running_requests is 0; chunked
+            # prefills and decodes of admitted requests continue.
+            self._held_max_running = self.scheduler.max_running_requests
+            self.scheduler.max_running_requests = 0
+        self._admission_holds += 1
+
+    def release_admission(self) -> None:
+        assert self._admission_holds > 0
+        self._admission_holds -= 1
+        if self._admission_holds == 0:
+            self.scheduler.max_running_requests = self._held_max_running
+
+    def try_swap_weights(self, staged: dict[str, torch.Tensor], weight_version: Optional[str]) -> Optional[int]:
+        """Copies validated, staged HF-named tensors into the model once no request holds KV.
+
+        Returns the tensor count, or None while admitted requests still run (call again after a
+        step). Paused in_place, the running requests are retracted first: their KV came from the
+        old weights; their tokens, logprobs and (saved) routing so far are kept.
+        """
+        from rollout.models.loader import load_state_dict_from_tensors  # noqa: PLC0415
+
+        if self.paused_mode is not None and self.scheduler.running:
+            self.retract_running()
+        if self.scheduler.running:
+            return None
+        count = load_state_dict_from_tensors(self.model, staged)
+        flushed = self.cache.flush()
+        assert flushed, "prefix cache still locked with no running request"
+        if weight_version is not None:
+            self.weight_version = weight_version
+        self.stats["weight_updates"] = self.stats.get("weight_updates", 0) + 1
+        return count
+
+    def load_report(self) -> list[dict]:
+        """Running/waiting requests and KV use per DP rank (one rank in this process)."""
+        used, total = self.kv_pool.used(), self.kv_pool.num_slots
+        return [{"dp_rank": 0, "num_running_reqs": len(self.scheduler.running),
+                 "num_waiting_reqs": len(self.scheduler.waiting), "num_used_tokens": used,
+                 "num_cached_tokens": self.cache.total_size(), "max_total_num_tokens": total,
+                 "token_usage": used / total if total else 0.0}]

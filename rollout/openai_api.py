@@ -1,0 +1,502 @@
+"""OpenAI-style /v1/completions, /v1/chat/completions and /v1/models, plus the pieces every
+endpoint shares: the JSON error shape, JSON rendering and EngineStream (one submitted generation
+consumed from the event loop, aborted when its client goes away)."""
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import re
+import time
+import uuid
+from typing import Any, AsyncIterator, Callable, Optional
+
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+
+from rollout.output import RolloutOutput
+from rollout.stream_chunk import StreamChunk
+
+KEEPALIVE_S = 5.0
+ROUTING_FORMATS = ("int32", "compact")
+# NOTE: "stream_options", "user", "metadata" and similar OpenAI fields that do not change the
+# output are accepted and ignored, like other OpenAI-compatible servers do.
+_UNSUPPORTED_UNLESS_NULL = ("suffix", "logit_bias", "regex", "json_schema", "ebnf", "functions", "function_call",
+                            "audio", "modalities", "prediction", "lora_path")
+
+
+# ---- errors and JSON -------------------------------------------------------------------------------
+class ApiError(Exception):
+    """An HTTP error answered as {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
+                 param: Optional[str] = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+
+    def response(self) -> Response:
+        return json_response(error_body(self.message, self.type, self.param, self.status), self.status)
+
+
+def error_body(message: str, type: str = "invalid_request_error", param: Optional[str] = None,
+               code: Optional[int] = None) -> dict:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+_FIELD = re.compile(r"^(?:sampling_params\.)?([A-Za-z_][A-Za-z0-9_]*)")
+
+
+def param_of(message: str, known: set[str]) -> Optional[str]:
+    """The request field an engine ValueError message starts with (its convention), if known."""
+    m = _FIELD.match(message)
+    return m.group(1) if m and m.group(1) in known else None
+
+
+def _finite(obj: Any) -> Any:
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return obj
+
+
+def dumps(obj: Any) -> str:
+    """Compact JSON; non-finite floats (e.g. -inf top logprobs) become null, as in SGLang."""
+    try:
+        return json.dumps(obj, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+    except ValueError:
+        return json.dumps(_finite(obj), ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+
+
+def json_response(obj: Any, status: int = 200) -> Response:
+    return Response(dumps(obj), status_code=status, media_type="application/json")
+
+
+def sse(obj: Any) -> str:
+    return f"data: {dumps(obj)}\n\n"
+
+
+class SSEResponse(StreamingResponse):
+    """text/event-stream that runs on_close however the response ends (done, error, disconnect)."""
+
+    def __init__(self, body: AsyncIterator[str], on_close: Callable[[], None]):
+        super().__init__(body, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self._on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
+
+
+# ---- one generation, from the event loop -----------------------------------------------------------
+class EngineStream:
+    """Submits to the engine; yields StreamChunks (stream) or RolloutOutputs. close() aborts the rest."""
+
+    def __init__(self, engine: Any, **kwargs: Any):
+        loop = asyncio.get_running_loop()
+        self._q: asyncio.Queue = asyncio.Queue()
+
+        def sink(item: Any) -> None:
+            try:
+                loop.call_soon_threadsafe(self._q.put_nowait, item)
+            except RuntimeError:  # the event loop is gone (shutdown): nobody is listening
+                pass
+
+        self.engine = engine
+        self.rids: list[str] = engine.submit(sink, **kwargs)
+        self._pending = set(self.rids)
+
+    @property
+    def done(self) -> bool:
+        return not self._pending
+
+    async def next(self, timeout: Optional[float] = None) -> Any:
+        """The next item; None on timeout. Engine errors are raised."""
+        try:
+            item = await asyncio.wait_for(self._q.get(), timeout) if timeout else await self._q.get()
+        except asyncio.TimeoutError:
+            return None
+        if isinstance(item, BaseException):
+            self._pending.clear()
+            raise item
+        if isinstance(item, RolloutOutput) or (isinstance(item, StreamChunk) and item.finished):
+            self._pending.discard(item.rid)
+        return item
+
+    async def items(self, keepalive: bool = False) -> AsyncIterator[Any]:
+        """Every item; with keepalive, None after KEEPALIVE_S of silence (the caller sends a comment)."""
+        while self._pending:
+            item = await self.next(KEEPALIVE_S if keepalive else None)
+            if item is not None or keepalive:
+                yield item
+
+    async def outputs(self, request: Optional[Request] = None) -> list[RolloutOutput]:
+        """Final outputs in rid order; aborts and raises ClientGone if the client disconnects first."""
+        finals: dict[str, RolloutOutput] = {}
+
+        async def run() -> None:
+            async for item in self.items():
+                if isinstance(item, RolloutOutput):
+                    finals[item.rid] = item
+
+        task = asyncio.ensure_future(run())
+        watch = asyncio.ensure_future(wait_disconnect(request)) if request is not None else None
+        try:
+            done, _ = await asyncio.wait({task} | ({watch} if watch else set()),
+                                         return_when=asyncio.FIRST_COMPLETED)
+            if task not in done:
+                raise ClientGone()
+            task.result()
+            return [finals[r] for r in self.rids]
+        finally:
+            for t in (task, watch):
+                if t is not None and not t.done():
+                    t.cancel()
+            self.close()
+
+    def close(self) -> None:
+        if self._pending:
+            self.engine.abort_nowait(sorted(self._pending))
+            self._pending.clear()
+
+
+class ClientGone(Exception):
+    """The HTTP client disconnected before its result was ready (its requests were aborted)."""
+
+
+async def wait_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+# ---- routing on the wire ---------------------------------------------------------------------------
+def check_routing_format(value: Any, param: str = "routed_experts_format") -> str:
+    if value is None:
+        return "int32"
+    if value not in ROUTING_FORMATS:
+        raise ApiError(400, f"{param} must be one of {list(ROUTING_FORMATS)}, got {value!r}"[:300], param=param)
+    return value
+
+
+def encode_rows(rows: Any, fmt: str, start: int, info: Any) -> str:
+    from capture.codec import encode_routed_experts
+
+    if fmt == "compact":
+        return encode_routed_experts(rows, "compact", num_experts=info.num_experts, start=start,
+                                     layer_ids=info.moe_layer_ids or None)
+    return encode_routed_experts(rows, "int32")
+
+
+# ---- OpenAI endpoints -------------------------------------------------------------------------------
+_SAMPLING_EXT = ("top_k", "min_p", "repetition_penalty", "ignore_eos", "skip_special_tokens", "stop_token_ids",
+                 "no_stop_trim", "logprob_mode", "spaces_between_special_tokens")
+_ENGINE_TO_OPENAI = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "sampling_seed": "seed",
+                     "input_ids": "prompt", "prompts": "prompt"}
+_KNOWN = {"model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "n", "stop",
+          "stream", "logprobs", "top_logprobs", "seed", "presence_penalty", "frequency_penalty", "min_tokens",
+          "return_routed_experts", "routed_experts_format", "routed_experts_start_len", "rid", "echo", "best_of",
+          "stream_options", "tools", "tool_choice", "response_format", *_SAMPLING_EXT, *_ENGINE_TO_OPENAI.values()}
+
+
+def _get(body: dict, name: str, types: tuple, default: Any = None) -> Any:
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) and bool not in types:
+        raise ApiError(400, f"{name} has the wrong type (got a boolean)", param=name)
+    if not isinstance(value, types):
+        raise ApiError(400, f"{name} has the wrong type, got {type(value).__name__}", param=name)
+    return value
+
+
+class OpenAIServing:
+    def __init__(self, engine: Any, model_name: str, metrics: Any):
+        self.engine = engine
+        self.model_name = model_name
+        self.metrics = metrics
+
+    def models(self) -> dict:
+        return {"object": "list", "data": [{
+            "id": self.model_name, "object": "model", "created": 0, "owned_by": "rollout",
+            "root": self.engine.config.model_path, "max_model_len": self.engine.context_length}]}
+
+    # ---- request mapping ----------------------------------------------------------------------------
+    def _common(self, body: dict, default_max: Optional[int]) -> tuple[dict, dict]:
+        """(sampling params, engine kwargs) from the fields both endpoints share."""
+        for name in _UNSUPPORTED_UNLESS_NULL:
+            if body.get(name) not in (None, {}, [], ""):
+                raise ApiError(400, f"{name} is not supported by this server", param=name)
+        if body.get("echo"):
+            raise ApiError(400, "echo is not supported by this server", param="echo")
+        n = _get(body, "n", (int,), 1)
+        best_of = _get(body, "best_of", (int,), None)
+        if best_of is not None and best_of != n:
+            raise ApiError(400, "best_of must equal n (no server-side ranking)", param="best_of")
+        max_tokens = _get(body, "max_completion_tokens", (int,), None)
+        max_tokens = _get(body, "max_tokens", (int,), max_tokens)
+        params: dict[str, Any] = {"n": n, "max_new_tokens": default_max if max_tokens is None else max_tokens}
+        for src, dst, types in (("temperature", "temperature", (int, float)), ("top_p", "top_p", (int, float)),
+                                ("presence_penalty", "presence_penalty", (int, float)),
+                                ("frequency_penalty", "frequency_penalty", (int, float)),
+                                ("seed", "sampling_seed", (int,)), ("min_tokens", "min_new_tokens", (int,)),
+                                ("stop", "stop", (str, list))):
+            value = _get(body, src, types, None)
+            if value is not None:
+                params[dst] = value
+        for name in _SAMPLING_EXT:
+            if body.get(name) is not None:
+                params[name] = body[name]
+        rid = body.get("rid")
+        kwargs = {"return_routed_experts": _get(body, "return_routed_experts", (bool,), False),
+                  "routed_experts_start_len": _get(body, "routed_experts_start_len", (int,), 0), "rid": rid}
+        return params, kwargs
+
+    def _openai_error(self, exc: ValueError) -> ApiError:
+        msg = str(exc)
+        param = param_of(msg, _KNOWN | set(_ENGINE_TO_OPENAI))
+        return ApiError(400, msg, param=_ENGINE_TO_OPENAI.get(param, param))
+
+    def _start(self, *, prompts: Any = None, input_ids: Any = None, params: dict, kwargs: dict,
+               return_logprob: bool, top: int, stream: bool) -> EngineStream:
+        try:
+            return EngineStream(self.engine, prompts=prompts, input_ids=input_ids, sampling_params=params,
+                                return_logprob=return_logprob, top_logprobs_num=top, stream=stream, **kwargs)
+        except ValueError as exc:
+            raise self._openai_error(exc) from None
+
+    def _tok(self, tid: int) -> str:
+        return self.engine.tokenizer.decode([tid], skip_special_tokens=False)
+
+    def _sgl_ext(self, out: RolloutOutput, fmt: str) -> Optional[dict]:
+        if out.routed_experts is None:
+            return None
+        meta = out.meta_info(fmt)
+        self.metrics.routing_bytes(fmt, len(meta["routed_experts"]))
+        return {"routed_experts": meta["routed_experts"], "routed_experts_start_len": out.routed_experts_start_len,
+                "routed_experts_format": fmt}
+
+    def _chunk_ext(self, chunk: StreamChunk, fmt: str) -> Optional[dict]:
+        if chunk.routed_experts is None:
+            return None
+        enc = encode_rows(chunk.routed_experts, fmt, chunk.routed_experts_start, self.engine.info)
+        self.metrics.routing_bytes(fmt, len(enc))
+        return {"routed_experts": enc, "routed_experts_start": chunk.routed_experts_start,
+                "routed_experts_format": fmt}
+
+    @staticmethod
+    def _finish(out: RolloutOutput) -> tuple[str, Any]:
+        return out.finish_reason, out.finish_info.get("matched")
+
+    def _usage(self, outs: list[RolloutOutput], n: int) -> dict:
+        prompt = sum(o.prompt_tokens for o in outs[::max(1, n)])
+        completion = sum(o.completion_tokens for o in outs)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+    # ---- /v1/completions ------------------------------------------------------------------------------
+    def _completion_logprobs(self, ids: list[int], lps: Optional[list], tops: Optional[list], offset0: int) -> dict:
+        tokens = [self._tok(t) for t in ids]
+        offsets, pos = [], offset0
+        for s in tokens:
+            offsets.append(pos)
+            pos += len(s)
+        top = None
+        if tops is not None:
+            top = [{self._tok(t): lp for lp, t in row} for row in tops]
+        return {"tokens": tokens, "token_logprobs": list(lps or []), "top_logprobs": top, "text_offset": offsets}
+
+    async def completions(self, body: dict, request: Request) -> Response:
+        prompt = body.get("prompt")
+        prompts = input_ids = None
+        if isinstance(prompt, str):
+            prompts = [prompt]
+        elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+            prompts = prompt
+        elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool)
+                                                         for t in prompt):
+            input_ids = [prompt]
+        elif isinstance(prompt, list) and prompt and all(isinstance(p, list) for p in prompt):
+            input_ids = prompt
+        else:
+            raise ApiError(400, "prompt must be a string, a list of strings, a list of token ids or a list of "
+                                "such lists", param="prompt")
+        params, kwargs = self._common(body, default_max=16)
+        logprobs = _get(body, "logprobs", (int,), None)
+        stream = _get(body, "stream", (bool,), False)
+        fmt = check_routing_format(body.get("routed_experts_format"))
+        include_usage = bool((_get(body, "stream_options", (dict,), {}) or {}).get("include_usage"))
+        es = self._start(prompts=prompts, input_ids=input_ids, params=params, kwargs=kwargs,
+                         return_logprob=logprobs is not None, top=logprobs or 0, stream=stream)
+        n = params["n"]
+        meta = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": self.model_name}
+        if not stream:
+            outs = await es.outputs(request)
+            choices = []
+            for i, out in enumerate(outs):
+                reason, matched = self._finish(out)
+                choice = {"index": i, "text": out.text, "finish_reason": reason, "matched_stop": matched,
+                          "logprobs": None}
+                if logprobs is not None:
+                    choice["logprobs"] = self._completion_logprobs(out.output_ids, out.output_logprobs,
+                                                                   out.output_top_logprobs, 0)
+                ext = self._sgl_ext(out, fmt)
+                if ext is not None:
+                    choice["sgl_ext"] = ext
+                choices.append(choice)
+            self.metrics.finished(outs)
+            return json_response({**meta, "object": "text_completion", "choices": choices,
+                                  "usage": self._usage(outs, n),
+                                  "metadata": {"weight_version": outs[0].weight_version}})
+        index = {rid: i for i, rid in enumerate(es.rids)}
+        text_pos = {rid: 0 for rid in es.rids}
+
+        async def events() -> AsyncIterator[str]:
+            finals = []
+            async for chunk in es.items(keepalive=True):
+                if chunk is None:
+                    yield ": keep-alive\n\n"
+                    continue
+                choice = {"index": index[chunk.rid], "text": chunk.text, "logprobs": None, "finish_reason": None}
+                if logprobs is not None:
+                    choice["logprobs"] = self._completion_logprobs(chunk.output_ids, chunk.output_logprobs,
+                                                                   chunk.output_top_logprobs, text_pos[chunk.rid])
+                text_pos[chunk.rid] += len(chunk.text)
+                ext = self._chunk_ext(chunk, fmt)
+                if ext is not None:
+                    choice["sgl_ext"] = ext
+                if chunk.finished:
+                    choice["finish_reason"], choice["matched_stop"] = self._finish(chunk.output)
+                    finals.append(chunk.output)
+                yield sse({**meta, "object": "text_completion", "choices": [choice]})
+            self.metrics.finished(finals)
+            if include_usage:
+                finals.sort(key=lambda o: index[o.rid])
+                yield sse({**meta, "object": "text_completion", "choices": [], "usage": self._usage(finals, n)})
+            yield "data: [DONE]\n\n"
+
+        return SSEResponse(events(), es.close)
+
+    # ---- /v1/chat/completions -------------------------------------------------------------------------
+    @staticmethod
+    def _messages(body: dict) -> list[dict]:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise ApiError(400, "messages must be a non-empty list", param="messages")
+        out = []
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+                raise ApiError(400, f"messages[{i}] must be an object with a string role", param="messages")
+            content = m.get("content")
+            if isinstance(content, list):
+                parts = []
+                for part in content:
+                    if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                        raise ApiError(400, f"messages[{i}].content: only text parts are supported", param="messages")
+                    parts.append(part["text"])
+                content = "".join(parts)
+            elif content is None:
+                content = ""
+            elif not isinstance(content, str):
+                raise ApiError(400, f"messages[{i}].content must be a string or a list of text parts",
+                               param="messages")
+            msg = {k: v for k, v in m.items() if k in ("role", "name", "tool_calls", "tool_call_id")}
+            msg["content"] = content
+            out.append(msg)
+        return out
+
+    def _chat_logprobs(self, ids: list[int], lps: Optional[list], tops: Optional[list]) -> dict:
+        content = []
+        for j, tid in enumerate(ids):
+            s = self._tok(tid)
+            entry = {"token": s, "logprob": lps[j] if lps else None, "bytes": list(s.encode("utf-8")),
+                     "top_logprobs": []}
+            if tops is not None:
+                entry["top_logprobs"] = [{"token": self._tok(t), "logprob": lp,
+                                          "bytes": list(self._tok(t).encode("utf-8"))} for lp, t in tops[j]]
+            content.append(entry)
+        return {"content": content}
+
+    async def chat(self, body: dict, request: Request) -> Response:
+        messages = self._messages(body)
+        tools = _get(body, "tools", (list,), None)
+        if body.get("tool_choice") not in (None, "none", "auto"):
+            raise ApiError(400, "tool_choice must be 'none' or 'auto' (no forced tool calls)", param="tool_choice")
+        fmt_obj = body.get("response_format")
+        if fmt_obj not in (None, {"type": "text"}):
+            raise ApiError(400, "response_format must be {'type': 'text'} (no constrained decoding)",
+                           param="response_format")
+        try:
+            ids = await asyncio.to_thread(self.engine.tokenizer.apply_chat_template, messages, True, tools)
+        except Exception as exc:  # noqa: BLE001 (template errors come from jinja)
+            raise ApiError(400, f"cannot apply the chat template: {type(exc).__name__}: {exc}"[:500],
+                           param="messages") from None
+        room = min(self.engine.context_length, self.engine.kv_capacity) - len(ids)
+        params, kwargs = self._common(body, default_max=max(1, room))
+        want_lp = _get(body, "logprobs", (bool,), False)
+        top = _get(body, "top_logprobs", (int,), 0)
+        if top and not want_lp:
+            raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        stream = _get(body, "stream", (bool,), False)
+        fmt = check_routing_format(body.get("routed_experts_format"))
+        include_usage = bool((_get(body, "stream_options", (dict,), {}) or {}).get("include_usage"))
+        es = self._start(input_ids=[ids], params=params, kwargs=kwargs, return_logprob=want_lp, top=top,
+                         stream=stream)
+        n = params["n"]
+        meta = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": self.model_name}
+        if not stream:
+            outs = await es.outputs(request)
+            choices = []
+            for i, out in enumerate(outs):
+                reason, matched = self._finish(out)
+                choice = {"index": i, "message": {"role": "assistant", "content": out.text},
+                          "finish_reason": reason, "matched_stop": matched, "logprobs": None}
+                if want_lp:
+                    choice["logprobs"] = self._chat_logprobs(out.output_ids, out.output_logprobs,
+                                                             out.output_top_logprobs)
+                ext = self._sgl_ext(out, fmt)
+                if ext is not None:
+                    choice["sgl_ext"] = ext
+                choices.append(choice)
+            self.metrics.finished(outs)
+            return json_response({**meta, "object": "chat.completion", "choices": choices,
+                                  "usage": self._usage(outs, n),
+                                  "metadata": {"weight_version": outs[0].weight_version}})
+        index = {rid: i for i, rid in enumerate(es.rids)}
+
+        async def events() -> AsyncIterator[str]:
+            finals = []
+            for rid in es.rids:
+                yield sse({**meta, "object": "chat.completion.chunk", "choices": [
+                    {"index": index[rid], "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                     "finish_reason": None}]})
+            async for chunk in es.items(keepalive=True):
+                if chunk is None:
+                    yield ": keep-alive\n\n"
+                    continue
+                choice = {"index": index[chunk.rid], "delta": {"content": chunk.text}, "logprobs": None,
+                          "finish_reason": None}
+                if want_lp:
+                    choice["logprobs"] = self._chat_logprobs(chunk.output_ids, chunk.output_logprobs,
+                                                             chunk.output_top_logprobs)
+                ext = self._chunk_ext(chunk, fmt)
+                if ext is not None:
+                    choice["sgl_ext"] = ext
+                if chunk.finished:
+                    choice["finish_reason"], choice["matched_stop"] = self._finish(chunk.output)
+                    finals.append(chunk.output)
+                yield sse({**meta, "object": "chat.completion.chunk", "choices": [choice]})
+            self.metrics.finished(finals)
+            if include_usage:
+                finals.sort(key=lambda o: index[o.rid])
+                yield sse({**meta, "object": "chat.completion.chunk", "choices": [], "usage": self._usage(finals, n)})
+            yield "data: [DONE]\n\n"
+
+        return SSEResponse(events(), es.close)

@@ -1,0 +1,688 @@
+"""rollout-serve: SGLang-compatible HTTP server over the Rollout engine (FastAPI + uvicorn).
+
+The engine steps on its own thread (Rollout); handlers submit requests and receive their chunks
+and outputs through thread-safe callbacks into the event loop, so concurrent requests batch
+together. Blocking engine calls (pause, flush, stats, weight swaps) run on worker threads.
+
+Errors: every rejected request gets a 4xx with {"error": {"message", "type", "param", "code"}}
+(weight endpoints answer SGLang's {"success": false, "message"}); 503 only when the engine died.
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import socket
+import threading
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager
+from typing import Any, AsyncIterator, Callable, Optional, Sequence
+from urllib.parse import parse_qs
+
+from fastapi import FastAPI
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import Request
+from starlette.responses import Response
+
+from rollout.engine import EngineDeadError, Rollout
+from rollout.engine_core import EngineCore
+from rollout.openai_api import (ApiError, ClientGone, EngineStream, OpenAIServing, SSEResponse, check_routing_format,
+                                encode_rows, error_body, json_response, param_of, sse)
+from rollout.output import RolloutOutput
+from rollout.server_args import ServerArgs
+from rollout.weight_updater import WeightUpdateError, WeightUpdater
+
+logger = logging.getLogger("rollout.server")
+VERSION = "0.1.0"
+WEIGHT_PATHS = frozenset({"/update_weights_from_disk", "/update_weights_from_tensor", "/init_weights_update_group",
+                          "/update_weights_from_distributed", "/destroy_weights_update_group"})
+ADMIN_PATHS = WEIGHT_PATHS | {"/pause_generation", "/continue_generation", "/flush_cache", "/debug/integrity"}
+PUBLIC_PATHS = frozenset({"/health"})
+GENERATE_FIELDS = {"text", "input_ids", "sampling_params", "rid", "return_logprob", "logprob_start_len",
+                   "top_logprobs_num", "return_routed_experts", "routed_experts_start_len", "routed_experts_format",
+                   "stream", "return_text_in_logprobs", "data_parallel_rank", "routed_dp_rank"}
+# SGLang request fields accepted for compatibility: any value / only null-or-false (unsupported features)
+GENERATE_IGNORED = {"log_metrics", "bootstrap_host", "bootstrap_port", "bootstrap_room", "priority", "extra_key",
+                    "stream_output"}
+GENERATE_ONLY_NULL = {"lora_path", "lora_id", "custom_logit_processor", "image_data", "video_data", "audio_data",
+                      "input_embeds", "session_params", "token_ids_logprob", "modalities", "return_hidden_states"}
+SAMPLING_ONLY_NULL = {"json_schema", "regex", "ebnf", "structural_tag", "custom_params", "logit_bias",
+                      "stream_interval"}
+SAMPLING_FIELDS = {"temperature", "top_p", "top_k", "min_p", "max_new_tokens", "min_new_tokens", "stop",
+                   "stop_token_ids", "ignore_eos", "no_stop_trim", "skip_special_tokens", "n", "sampling_seed",
+                   "frequency_penalty", "presence_penalty", "repetition_penalty", "logprob_mode",
+                   "spaces_between_special_tokens", "sampling_params", "prompts", "context"}
+WEIGHT_IGNORED = {"flush_cache", "load_format", "is_async", "torch_empty_cache", "keep_pause", "recapture_cuda_graph",
+                  "token_step"}
+
+
+class BodyTooLarge(Exception):
+    pass
+
+
+# ---- metrics ---------------------------------------------------------------------------------------
+class Metrics:
+    """Server-side counters; engine gauges are read at scrape time."""
+
+    def __init__(self, known_paths: set[str]):
+        self._lock = threading.Lock()
+        self.known_paths = known_paths
+        self.http: Counter = Counter()
+        self.finish: Counter = Counter()
+        self.routing: Counter = Counter()
+        self.routing_msgs: Counter = Counter()
+        self.output_tokens = 0
+
+    def request(self, path: str, status: int) -> None:
+        with self._lock:
+            self.http[(path if path in self.known_paths else "other", status)] += 1
+
+    def routing_bytes(self, fmt: str, n: int) -> None:
+        with self._lock:
+            self.routing[fmt] += n
+            self.routing_msgs[fmt] += 1
+
+    def finished(self, outs: Sequence[RolloutOutput]) -> None:
+        with self._lock:
+            for out in outs:
+                self.finish[out.finish_reason] += 1
+                self.output_tokens += out.completion_tokens
+
+    def render(self, stats: dict, loads: list[dict], engine: Rollout) -> str:
+        lines: list[str] = []
+
+        def metric(name: str, kind: str, help_: str, samples: list[tuple[str, float]]) -> None:
+            lines.append(f"# HELP rollout_{name} {help_}")
+            lines.append(f"# TYPE rollout_{name} {kind}")
+            for labels, value in samples:
+                lines.append(f"rollout_{name}{labels} {value}")
+
+        with self._lock:
+            http = sorted(self.http.items())
+            finish = sorted(self.finish.items())
+            routing = sorted(self.routing.items())
+            msgs = sorted(self.routing_msgs.items())
+        metric("http_requests_total", "counter", "HTTP requests by path and status",
+               [(f'{{path="{p}",status="{s}"}}', v) for (p, s), v in http])
+        metric("requests_finished_total", "counter", "generation requests finished, by finish reason",
+               [(f'{{reason="{r}"}}', v) for r, v in finish])
+        metric("engine_requests_finished_total", "counter", "requests finished in the engine (all APIs)",
+               [("", stats["finished_requests"])])
+        metric("engine_requests_aborted_total", "counter", "requests aborted in the engine",
+               [("", stats["aborted_requests"])])
+        metric("prompt_tokens_total", "counter", "prompt tokens received", [("", stats["prompt_tokens"])])
+        metric("generation_tokens_total", "counter", "tokens generated", [("", stats["generated_tokens"])])
+        metric("forwards_total", "counter", "model forwards by kind",
+               [('{kind="prefill"}', stats["num_prefill_forwards"]), ('{kind="decode"}', stats["num_decode_forwards"])])
+        metric("retractions_total", "counter", "requests retracted (preempted)", [("", stats["num_retractions"])])
+        metric("weight_updates_total", "counter", "successful weight updates", [("", stats.get("weight_updates", 0))])
+        for key, name, help_ in (("num_running_reqs", "num_running_reqs", "requests holding KV"),
+                                 ("num_waiting_reqs", "num_queue_reqs", "requests waiting in the queue"),
+                                 ("num_used_tokens", "kv_used_tokens", "KV slots in use (requests + prefix cache)"),
+                                 ("num_cached_tokens", "kv_cached_tokens", "KV slots held by the prefix cache"),
+                                 ("max_total_num_tokens", "kv_total_tokens", "KV slots in the pool"),
+                                 ("token_usage", "kv_usage", "fraction of KV slots in use")):
+            metric(name, "gauge", help_, [(f'{{dp_rank="{ld["dp_rank"]}"}}', ld[key]) for ld in loads])
+        metric("paused", "gauge", "1 while generation is paused", [("", int(engine.paused_mode is not None))])
+        metric("routed_experts_bytes_total", "counter", "routed-expert bytes sent (base64), by wire format",
+               [(f'{{format="{f}"}}', v) for f, v in routing])
+        metric("routed_experts_messages_total", "counter", "responses/chunks carrying routed experts, by format",
+               [(f'{{format="{f}"}}', v) for f, v in msgs])
+        capturer = getattr(engine._core, "capturer", None)  # (DP: the capturers live in the ranks)
+        if capturer is not None:
+            metric("capture_host_store_bytes", "gauge", "routed-expert host store size",
+                   [("", capturer.store.nbytes)])
+            metric("capture_device_buffer_bytes", "gauge", "routed-expert device buffer size",
+                   [("", capturer.buffer.nbytes)])
+        return "\n".join(lines) + "\n"
+
+
+# ---- auth and body size (pure ASGI: works for streaming responses too) ------------------------------
+class Guard:
+    def __init__(self, app: Any, args: ServerArgs, metrics: Metrics):
+        self.app = app
+        self.api_key = args.api_key.encode() if args.api_key else None
+        self.admin_key = args.admin_api_key.encode() if args.admin_api_key else None
+        self.max_bytes = args.max_request_bytes
+        self.metrics = metrics
+
+    @staticmethod
+    async def _reply(send: Callable, status: int, body: dict) -> None:
+        data = json.dumps(body).encode()
+        await send({"type": "http.response.start", "status": status,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]})
+        await send({"type": "http.response.body", "body": data})
+
+    def _level(self, headers: dict) -> Optional[str]:
+        auth = headers.get(b"authorization", b"")
+        if not auth.lower().startswith(b"bearer "):
+            return None
+        token = auth[7:].strip()
+        if self.admin_key is not None and hmac.compare_digest(token, self.admin_key):
+            return "admin"
+        if self.api_key is not None and hmac.compare_digest(token, self.api_key):
+            return "user"
+        return None
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope.get("path", "")
+        status_box = [0]
+
+        async def send_tracked(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                status_box[0] = message["status"]
+            await send(message)
+
+        try:
+            await self._handle(scope, receive, send_tracked, path)
+        finally:
+            self.metrics.request(path, status_box[0])
+
+    async def _handle(self, scope: dict, receive: Callable, send: Callable, path: str) -> None:
+        headers = dict(scope.get("headers") or [])
+        level = self._level(headers)
+        scope.setdefault("state", {})["auth_level"] = level
+        if path not in PUBLIC_PATHS:
+            if path in ADMIN_PATHS and self.admin_key is not None:
+                if level != "admin":
+                    status = 403 if level == "user" else 401
+                    msg = "this endpoint needs the admin API key" if status == 403 else "missing or wrong API key"
+                    return await self._reply(send, status, error_body(msg, "authentication_error", code=status))
+            elif self.api_key is not None and level is None:
+                return await self._reply(send, 401, error_body("missing or wrong API key (Authorization: Bearer ...)",
+                                                               "authentication_error", code=401))
+        length = headers.get(b"content-length")
+        if length is not None:
+            if not length.isdigit():
+                return await self._reply(send, 400, error_body("invalid Content-Length", code=400))
+            if int(length) > self.max_bytes:
+                return await self._reply(send, 413, error_body(
+                    f"request body of {int(length)} bytes exceeds --max-request-bytes={self.max_bytes}", code=413))
+        seen = [0]
+
+        async def limited_receive() -> dict:
+            message = await receive()
+            if message["type"] == "http.request":
+                seen[0] += len(message.get("body", b""))
+                if seen[0] > self.max_bytes:
+                    raise BodyTooLarge()
+            return message
+
+        await self.app(scope, limited_receive, send)
+
+
+# ---- request helpers -------------------------------------------------------------------------------
+async def read_json(request: Request, *, allow_empty: bool = False) -> dict:
+    raw = await request.body()
+    if not raw.strip():
+        if allow_empty:
+            return {}
+        raise ApiError(400, "the request body must be a JSON object")
+    try:
+        obj = json.loads(raw)
+    except (ValueError, RecursionError) as exc:
+        raise ApiError(400, f"malformed JSON body: {exc}"[:300]) from None
+    if not isinstance(obj, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    return obj
+
+
+def check_fields(body: dict, known: set[str], ignored: set[str] = frozenset(), only_null: set[str] = frozenset(),
+                 prefix: str = "") -> None:
+    for key, value in body.items():
+        if key in known or key in ignored:
+            continue
+        if key in only_null:
+            if value in (None, False):
+                continue
+            raise ApiError(400, f"{prefix}{key} is not supported by this server", param=f"{prefix}{key}")
+        raise ApiError(400, f"unknown field {prefix}{key!r}; allowed: {sorted(known)}"[:500], param=f"{prefix}{key}")
+
+
+def typed(body: dict, name: str, types: tuple, default: Any) -> Any:
+    value = body.get(name)
+    if value is None:
+        return default
+    if (isinstance(value, bool) and bool not in types) or not isinstance(value, types):
+        raise ApiError(400, f"{name} has the wrong type ({type(value).__name__})", param=name)
+    return value
+
+
+def _engine_error(exc: ValueError, known: set[str]) -> ApiError:
+    msg = str(exc)
+    return ApiError(400, msg, param=param_of(msg, known))
+
+
+# ---- the app ---------------------------------------------------------------------------------------
+def create_app(engine: Rollout, server_args: ServerArgs) -> FastAPI:
+    """The FastAPI app serving `engine`; the caller owns (and shuts down) the engine."""
+    args = server_args
+    control_pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="rollout-control")
+    weight_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="rollout-weights")
+    updater = WeightUpdater(engine, args.weight_dirs)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        yield
+        updater.shutdown()
+        control_pool.shutdown(wait=False, cancel_futures=True)
+        weight_pool.shutdown(wait=False, cancel_futures=True)
+
+    app = FastAPI(title="rollout-serve", version=VERSION, docs_url=None, redoc_url=None, openapi_url=None,
+                  lifespan=lifespan)
+    metrics = Metrics(set())
+    openai = OpenAIServing(engine, args.model_name, metrics)
+    app.state.engine = engine
+    app.state.updater = updater
+    info = engine.info
+
+    async def blocking(fn: Callable, *a: Any, pool: ThreadPoolExecutor = control_pool) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(pool, fn, *a)
+
+    # ---- error mapping ----
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, exc: ApiError) -> Response:
+        body = error_body(exc.message, exc.type, exc.param, exc.status)
+        if request.url.path in WEIGHT_PATHS:  # SGLang's shape too, so weight clients can read `success`
+            body.update(success=False, message=exc.message)
+        return json_response(body, exc.status)
+
+    @app.exception_handler(WeightUpdateError)
+    async def _weight_error(request: Request, exc: WeightUpdateError) -> Response:
+        return json_response({"success": False, "message": str(exc),
+                              **error_body(str(exc), code=exc.status)}, exc.status)
+
+    @app.exception_handler(BodyTooLarge)
+    async def _too_large(request: Request, exc: BodyTooLarge) -> Response:
+        return json_response(error_body(f"request body exceeds --max-request-bytes={args.max_request_bytes}",
+                                        code=413), 413)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        return json_response(error_body(f"{exc.detail}: {request.method} {request.url.path}"[:300],
+                                        "not_found_error" if exc.status_code == 404 else "invalid_request_error",
+                                        code=exc.status_code), exc.status_code)
+
+    @app.exception_handler(EngineDeadError)
+    async def _dead(request: Request, exc: EngineDeadError) -> Response:
+        return json_response(error_body(str(exc), "server_error", code=503), 503)
+
+    @app.exception_handler(ClientGone)
+    async def _gone(request: Request, exc: ClientGone) -> Response:
+        return Response(status_code=499)
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, exc: Exception) -> Response:
+        logger.exception("internal error on %s", request.url.path)
+        return json_response(error_body(f"internal error: {type(exc).__name__}", "server_error", code=500), 500)
+
+    # ---- /generate ----
+    def tokenize(texts: list[str]) -> list[list[int]]:
+        return [engine.tokenizer.encode(t) for t in texts]
+
+    @app.post("/generate")
+    async def generate(request: Request) -> Response:
+        body = await read_json(request)
+        check_fields(body, GENERATE_FIELDS, GENERATE_IGNORED, GENERATE_ONLY_NULL)
+        text, ids = body.get("text"), body.get("input_ids")
+        if (text is None) == (ids is None):
+            raise ApiError(400, "give exactly one of text or input_ids", param="text")
+        if text is not None:
+            if isinstance(text, str):
+                batch, texts = False, [text]
+            elif isinstance(text, list) and text and all(isinstance(t, str) for t in text):
+                batch, texts = True, text
+            else:
+                raise ApiError(400, "text must be a string or a non-empty list of strings", param="text")
+            size = sum(len(t) for t in texts)
+            input_ids = await blocking(tokenize, texts) if size > 20000 else tokenize(texts)
+            for i, p in enumerate(input_ids):
+                if not p:
+                    raise ApiError(400, f"text[{i}] encodes to no tokens: a prompt needs at least one", param="text")
+        else:
+            if isinstance(ids, list) and ids and all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+                batch, input_ids = False, [ids]
+            elif isinstance(ids, list) and ids and all(isinstance(p, list) for p in ids):
+                batch, input_ids = True, ids
+            else:
+                raise ApiError(400, "input_ids must be a list of token ids or a non-empty list of such lists",
+                               param="input_ids")
+        sp = body.get("sampling_params")
+        sp_list = sp if isinstance(sp, list) else [sp]
+        for j, p in enumerate(sp_list):
+            if isinstance(p, dict):
+                check_fields(p, SAMPLING_FIELDS, only_null=SAMPLING_ONLY_NULL, prefix="sampling_params.")
+                sp_list[j] = {k: v for k, v in p.items() if k not in SAMPLING_ONLY_NULL}
+        sp = sp_list if isinstance(sp, list) else sp_list[0]
+        return_logprob = typed(body, "return_logprob", (bool,), False)
+        text_in_lp = typed(body, "return_text_in_logprobs", (bool,), False)
+        stream = typed(body, "stream", (bool,), False)
+        fmt = check_routing_format(body.get("routed_experts_format"))
+        start_len = body.get("logprob_start_len")
+        starts = start_len if isinstance(start_len, list) else [start_len] * len(input_ids)
+        if len(starts) != len(input_ids):
+            raise ApiError(400, f"logprob_start_len has {len(starts)} entries for {len(input_ids)} prompts",
+                           param="logprob_start_len")
+        for s, p in zip(starts, input_ids):
+            if s is None or s == -1:
+                continue
+            if isinstance(s, bool) or not isinstance(s, int) or (isinstance(p, list) and s < len(p)):
+                raise ApiError(400, "logprob_start_len must be -1 (or null), or >= the prompt length: prompt "
+                                    "(input) logprobs are not computed by this server", param="logprob_start_len")
+        kwargs = dict(input_ids=input_ids, sampling_params=sp, return_logprob=return_logprob,
+                      top_logprobs_num=typed(body, "top_logprobs_num", (int,), 0),
+                      return_routed_experts=typed(body, "return_routed_experts", (bool,), False),
+                      routed_experts_start_len=0 if body.get("routed_experts_start_len") is None
+                      else body["routed_experts_start_len"],
+                      rid=body.get("rid"), stream=stream,
+                      routed_dp_rank=body["routed_dp_rank"] if body.get("routed_dp_rank") is not None
+                      else body.get("data_parallel_rank"))
+        try:
+            es = EngineStream(engine, **kwargs)
+        except ValueError as exc:
+            err = _engine_error(exc, GENERATE_FIELDS | SAMPLING_FIELDS)
+            if text is not None and err.param == "input_ids":
+                err.param = "text"
+            raise err from None
+        # rids are prompt-major, each prompt's n samples together
+        counts = [((sp_list[i] if isinstance(sp, list) else sp) or {}).get("n") or 1 for i in range(len(input_ids))]
+        plen = dict(zip(es.rids, (len(p) for p, n in zip(input_ids, counts) for _ in range(n))))
+        decode = (lambda t: engine.tokenizer.decode([t], skip_special_tokens=False)) if text_in_lp else (lambda t: None)
+
+        def fix_text(d: dict) -> dict:
+            meta = d["meta_info"]
+            if text_in_lp and "output_token_logprobs" in meta:
+                meta["output_token_logprobs"] = [[lp, t, decode(t)] for lp, t, _ in meta["output_token_logprobs"]]
+            if "routed_experts" in meta:
+                metrics.routing_bytes(fmt, len(meta["routed_experts"]))
+            return d
+
+        if not stream:
+            outs = await es.outputs(request)
+            metrics.finished(outs)
+            results = [fix_text(o.to_dict(fmt)) for o in outs]
+            return json_response(results if batch or len(results) > 1 else results[0])
+        index = {rid: i for i, rid in enumerate(es.rids)}
+        multi = batch or len(es.rids) > 1
+        done_tokens = {rid: 0 for rid in es.rids}
+
+        async def events() -> AsyncIterator[str]:
+            try:
+                async for chunk in es.items(keepalive=True):
+                    if chunk is None:
+                        yield ": keep-alive\n\n"
+                        continue
+                    done_tokens[chunk.rid] += len(chunk.output_ids)
+                    meta: dict[str, Any] = {"id": chunk.rid, "finish_reason": None,
+                                            "prompt_tokens": plen.get(chunk.rid),
+                                            "completion_tokens": done_tokens[chunk.rid],
+                                            "weight_version": engine.weight_version}
+                    if chunk.output_logprobs is not None:
+                        meta["output_token_logprobs"] = [[lp, t, decode(t)] for lp, t in
+                                                         zip(chunk.output_logprobs, chunk.output_ids)]
+                    if chunk.output_top_logprobs is not None:
+                        meta["output_top_logprobs"] = [[[lp, t, None] for lp, t in row]
+                                                       for row in chunk.output_top_logprobs]
+                    if chunk.routed_experts is not None:
+                        enc = encode_rows(chunk.routed_experts, fmt, chunk.routed_experts_start, info)
+                        metrics.routing_bytes(fmt, len(enc))
+                        meta["routed_experts"] = enc
+                        meta["routed_experts_start"] = chunk.routed_experts_start
+                    if chunk.finished:
+                        out = chunk.output
+                        metrics.finished([out])
+                        meta.update(finish_reason=dict(out.finish_info), cached_tokens=out.cached_tokens,
+                                    weight_version=out.weight_version, completion_tokens=out.completion_tokens)
+                        if out.routed_experts is not None:
+                            meta["routed_experts_start_len"] = out.routed_experts_start_len
+                    obj: dict[str, Any] = {"text": chunk.text, "output_ids": chunk.output_ids, "meta_info": meta}
+                    if multi:
+                        obj["index"] = index[chunk.rid]
+                    yield sse(obj)
+            except EngineDeadError as exc:
+                yield sse(error_body(str(exc), "server_error", code=503))
+            yield "data: [DONE]\n\n"
+
+        return SSEResponse(events(), es.close)
+
+    # ---- OpenAI ----
+    @app.post("/v1/completions")
+    async def v1_completions(request: Request) -> Response:
+        return await openai.completions(await read_json(request), request)
+
+    @app.post("/v1/chat/completions")
+    async def v1_chat(request: Request) -> Response:
+        return await openai.chat(await read_json(request), request)
+
+    @app.get("/v1/models")
+    async def v1_models() -> Response:
+        return json_response(openai.models())
+
+    # ---- control ----
+    @app.post("/abort_request")
+    async def abort_request(request: Request) -> Response:
+        body = await read_json(request, allow_empty=True)
+        check_fields(body, {"rid", "abort_all", "abort_message"})
+        abort_all = typed(body, "abort_all", (bool,), False)
+        rid = typed(body, "rid", (str,), None)
+        if abort_all:
+            if args.admin_api_key and request.state.auth_level != "admin":
+                raise ApiError(403 if request.state.auth_level else 401, "abort_all needs the admin API key",
+                               type="authentication_error")
+            return json_response({"success": True, "num_aborted": await blocking(engine.abort_all)})
+        if not rid:
+            raise ApiError(400, "give rid (a non-empty string) or abort_all: true", param="rid")
+        found = await blocking(engine.abort, rid)
+        return json_response({"success": True, "num_aborted": int(bool(found))})
+
+    @app.post("/pause_generation")
+    async def pause_generation(request: Request) -> Response:
+        body = await read_json(request, allow_empty=True)
+        check_fields(body, {"mode"})
+        mode = body.get("mode", "abort")
+        if mode not in EngineCore.PAUSE_MODES:
+            raise ApiError(400, f"mode must be one of {list(EngineCore.PAUSE_MODES)}, got {mode!r}"[:300],
+                           param="mode")
+        count = await blocking(engine.pause_generation, mode)
+        return json_response({"success": True, "mode": mode, "num_requests": count,
+                              "message": f"generation paused ({mode})"})
+
+    @app.post("/continue_generation")
+    async def continue_generation(request: Request) -> Response:
+        body = await read_json(request, allow_empty=True)
+        check_fields(body, set(), ignored={"torch_empty_cache"})
+        was = await blocking(engine.continue_generation)
+        return json_response({"success": True, "message": "generation continued" if was else "was not paused"})
+
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush_cache() -> Response:
+        if await blocking(engine.flush_cache):
+            return json_response({"success": True, "message": "Cache flushed."})
+        loads = await blocking(engine.loads)
+        running = sum(ld["num_running_reqs"] for ld in loads)
+        waiting = sum(ld["num_waiting_reqs"] for ld in loads)
+        raise ApiError(400, f"cannot flush the cache while requests are in flight ({running} running, "
+                            f"{waiting} waiting); retry later")
+
+    # ---- weights ----
+    async def weights_call(fn: Callable, *a: Any) -> Response:
+        return json_response(await blocking(fn, *a, pool=weight_pool))
+
+    @app.post("/update_weights_from_disk")
+    async def update_weights_from_disk(request: Request) -> Response:
+        body = await read_json(request)
+        check_fields(body, {"model_path", "weight_version", "abort_all_requests"}, WEIGHT_IGNORED)
+        return await weights_call(updater.update_from_disk, body.get("model_path"), body.get("weight_version"),
+                                  body.get("abort_all_requests", False))
+
+    @app.post("/update_weights_from_tensor")
+    async def update_weights_from_tensor(request: Request) -> Response:
+        ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        if ctype == "application/json":
+            body = await read_json(request)
+            check_fields(body, {"serialized_named_tensors", "weight_version", "abort_all_requests"}, WEIGHT_IGNORED)
+            if body.get("load_format") not in (None, "safetensors"):
+                raise WeightUpdateError("load_format must be 'safetensors' (or null): pickled tensors are never loaded")
+            data = body.get("serialized_named_tensors")
+            if isinstance(data, list) and len(data) == 1:
+                data = data[0]
+            if not isinstance(data, str):
+                raise WeightUpdateError("serialized_named_tensors must be a base64 string of safetensors bytes")
+            import base64
+            import binascii
+            try:
+                raw = base64.b64decode(data, validate=True)
+            except (binascii.Error, ValueError):
+                raise WeightUpdateError("serialized_named_tensors is not valid base64") from None
+            version, abort = body.get("weight_version"), body.get("abort_all_requests", False)
+        else:
+            raw = await request.body()
+            query = parse_qs(request.url.query, keep_blank_values=True)
+            unknown = sorted(set(query) - {"weight_version", "abort_all_requests"})
+            if unknown:
+                raise WeightUpdateError(f"unknown query parameter(s) {unknown}"[:300])
+            version = query.get("weight_version", [None])[-1]
+            flag = query.get("abort_all_requests", ["false"])[-1].lower()
+            if flag not in ("true", "false", "1", "0"):
+                raise WeightUpdateError("abort_all_requests must be true or false")
+            abort = flag in ("true", "1")
+        return await weights_call(updater.update_from_safetensors, raw, version, abort)
+
+    @app.post("/init_weights_update_group")
+    async def init_weights_update_group(request: Request) -> Response:
+        body = await read_json(request)
+        fields = {"master_address", "master_port", "rank_offset", "world_size", "group_name", "backend", "timeout_s"}
+        check_fields(body, fields)
+        kw = {k: body.get(k) for k in fields if k in body}
+        kw.setdefault("backend", "gloo")
+        for k in ("master_address", "master_port", "rank_offset", "world_size", "group_name"):
+            kw.setdefault(k, None)
+        return await weights_call(lambda: updater.init_group(**kw))
+
+    @app.post("/update_weights_from_distributed")
+    async def update_weights_from_distributed(request: Request) -> Response:
+        body = await read_json(request)
+        check_fields(body, {"names", "dtypes", "shapes", "weight_version", "abort_all_requests", "group_name"},
+                     WEIGHT_IGNORED)
+        return await weights_call(updater.update_from_distributed, body.get("names"), body.get("dtypes"),
+                                  body.get("shapes"), body.get("weight_version"), body.get("abort_all_requests", False))
+
+    @app.post("/destroy_weights_update_group")
+    async def destroy_weights_update_group(request: Request) -> Response:
+        body = await read_json(request, allow_empty=True)
+        check_fields(body, {"group_name"})
+        return await weights_call(updater.destroy_group, body.get("group_name"))
+
+    @app.api_route("/get_weight_version", methods=["GET", "POST"])
+    async def get_weight_version() -> Response:
+        return json_response({"weight_version": engine.weight_version})
+
+    # ---- state ----
+    @app.get("/health")
+    async def health() -> Response:
+        if not engine.is_alive:
+            return json_response(error_body("the engine stopped", "server_error", code=503), 503)
+        return json_response({"status": "ok"})
+
+    @app.get("/health_generate")
+    async def health_generate(request: Request) -> Response:
+        if not engine.is_alive:
+            return json_response(error_body("the engine stopped", "server_error", code=503), 503)
+        if engine.paused_mode is not None:
+            return json_response({"status": "ok", "paused": engine.paused_mode})
+        es = EngineStream(engine, input_ids=[[min(3, info.vocab_size - 1)]],
+                          sampling_params={"max_new_tokens": 1, "temperature": 0.0})
+        try:
+            outs = await asyncio.wait_for(es.outputs(request), timeout=30)
+        except asyncio.TimeoutError:
+            return json_response(error_body("one-token generation timed out", "server_error", code=503), 503)
+        return json_response({"status": "ok", "output_ids": outs[0].output_ids})
+
+    def model_info() -> dict:
+        return {"model_path": engine.config.model_path, "tokenizer_path": engine.config.resolved_tokenizer_path,
+                "is_generation": True, "architecture": info.architecture, "num_hidden_layers": info.num_hidden_layers,
+                "num_experts": info.num_experts, "num_experts_per_tok": info.top_k,
+                "moe_layer_ids": list(info.moe_layer_ids), "vocab_size": info.vocab_size,
+                "context_length": engine.context_length, "max_total_num_tokens": engine.kv_capacity,
+                "served_model_name": args.model_name, "weight_version": engine.weight_version,
+                "routed_experts_formats": list(("int32", "compact")),
+                "enable_return_routed_experts": engine.config.enable_return_routed_experts}
+
+    @app.get("/model_info")
+    @app.get("/get_model_info")
+    async def get_model_info() -> Response:
+        return json_response(model_info())
+
+    @app.get("/server_info")
+    @app.get("/get_server_info")
+    async def server_info() -> Response:
+        stats = await blocking(engine.stats)
+        return json_response({**args.redacted(), "version": VERSION, "weight_version": engine.weight_version,
+                              "paused": engine.paused_mode, "model_info": model_info(),
+                              "max_total_num_tokens": engine.kv_capacity, "internal_states": [stats]})
+
+    @app.get("/v1/loads")
+    async def v1_loads() -> Response:
+        loads = await blocking(engine.loads)
+        return json_response({"dp_size": engine.config.dp_size, "paused": engine.paused_mode, "loads": loads})
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        stats = await blocking(engine.stats)
+        loads = await blocking(engine.loads)
+        return Response(metrics.render(stats, loads, engine), media_type="text/plain; version=0.0.4")
+
+    if args.enable_debug_endpoints:
+        @app.get("/debug/integrity")
+        async def debug_integrity() -> Response:
+            await blocking(engine.check_integrity)
+            stats = await blocking(engine.stats)
+            loads = await blocking(engine.loads)
+            return json_response({"ok": True, "kv_used": stats["kv_used"], "kv_total": stats["kv_total"],
+                                  "cached_tokens": sum(ld["num_cached_tokens"] for ld in loads),
+                                  "running": stats["running"],
+                                  "waiting": stats["waiting"], "paused": engine.paused_mode})
+
+    metrics.known_paths = {r.path for r in app.routes if hasattr(r, "path")}
+    app.add_middleware(Guard, args=args, metrics=metrics)
+    return app
+
+
+# ---- entry point -----------------------------------------------------------------------------------
+def _bind(host: str, port: int) -> socket.socket:
+    family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                      flags=socket.AI_PASSIVE)[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(addr)
+    sock.listen(2048)
+    return sock
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    import uvicorn
+
+    args = ServerArgs.from_cli(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
+        logger.warning("listening on %s without --api-key: anyone who can reach it may generate", args.host)
+    engine = Rollout(config=args.engine_config())
+    try:
+        app = create_app(engine, args)
+        sock = _bind(args.host, args.port)
+        host, port = sock.getsockname()[:2]
+        shown = f"[{host}]" if ":" in host else host
+        print(f"rollout-serve listening on http://{shown}:{port}", flush=True)
+        config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=5,
+                                access_log=args.log_level == "debug")
+        uvicorn.Server(config).run(sockets=[sock])
+    finally:
+        engine.shutdown()
+
+
+if __name__ == "__main__":
+    main()

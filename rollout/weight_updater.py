@@ -1,0 +1,300 @@
+"""WeightUpdater: new weights from disk, from safetensors bytes, or broadcast over torch.distributed.
+
+Every path is all-or-nothing: names, shapes and dtypes are checked against the model first, the
+tensors are received into staging copies (already in the parameters' dtype and device, and checked
+finite), and only then swapped in by the engine thread between two steps (Rollout.swap_weights),
+which also flushes the prefix cache and sets weight_version. On any failure nothing was copied: the
+old weights keep serving and the error says why. Never unpickles anything.
+"""
+from __future__ import annotations
+
+import datetime
+import logging
+import math
+import os
+import threading
+from typing import Any, Optional
+
+import torch
+
+from rollout.models.loader import _checkpoint_files, plan
+
+logger = logging.getLogger(__name__)
+DTYPES = {"float32": torch.float32, "float": torch.float32, "float16": torch.float16, "half": torch.float16,
+          "bfloat16": torch.bfloat16, "float64": torch.float64, "double": torch.float64}
+BACKENDS = ("gloo", "nccl")
+DEFAULT_GROUP_TIMEOUT_S = 300.0
+MAX_TENSORS = 1_000_000
+
+
+class WeightUpdateError(ValueError):
+    """A rejected update (nothing applied); status is the HTTP status to answer with."""
+
+    def __init__(self, message: str, status: int = 400):
+        super().__init__(message)
+        self.status = status
+
+
+def _is_under(path: str, root: str) -> bool:
+    try:
+        return os.path.commonpath([path, root]) == root
+    except ValueError:
+        return False
+
+
+def _dtype(name: Any) -> torch.dtype:
+    if not isinstance(name, str) or name.removeprefix("torch.") not in DTYPES:
+        raise WeightUpdateError(f"dtypes entries must be one of {sorted(DTYPES)}, got {name!r}")
+    return DTYPES[name.removeprefix("torch.")]
+
+
+def init_custom_process_group(backend: str, init_method: str, world_size: int, rank: int, group_name: str,
+                              timeout: datetime.timedelta):
+    """A process group of its own (TCPStore rendezvous), never the default group, so it cannot clash
+    with anything else in the process. The trainer side calls the same function with rank 0 (this is
+    how SGLang-based trainers create their weight-update group)."""
+    from torch.distributed.distributed_c10d import (Backend, PrefixStore, _new_process_group_helper, _world,
+                                                    rendezvous)
+
+    store, rank, world_size = next(rendezvous(init_method, rank, world_size, timeout=timeout))
+    store.set_timeout(timeout)
+    store = PrefixStore(group_name, store)
+    pg, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), store, group_name=group_name,
+                                      timeout=timeout)
+    _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
+    return pg
+
+
+class WeightUpdater:
+    def __init__(self, engine: Any, allowed_dirs: tuple[str, ...]):
+        self.engine = engine
+        self.allowed_dirs = tuple(os.path.realpath(d) for d in allowed_dirs)
+        self._swap_lock = threading.Lock()
+        self._group_lock = threading.Lock()
+        self._group = None
+        self._group_info: Optional[dict] = None
+
+    # ---- validation and staging --------------------------------------------------------------------
+    def stage(self, named: dict[str, torch.Tensor], *, require_all: bool, source: str) -> dict[str, torch.Tensor]:
+        """Checks every name/shape/dtype/value, then returns copies in the parameters' dtype and device."""
+        if not named:
+            raise WeightUpdateError(f"{source} holds no tensors")
+        model = self.engine.model
+        try:
+            targets = plan(model, {k: tuple(v.shape) for k, v in named.items()}, require_all=require_all,
+                           source=source)
+        except ValueError as exc:
+            raise WeightUpdateError(str(exc)) from None
+        params = dict(model.named_parameters())
+        bad = [f"{k} ({v.dtype})" for k, v in named.items() if k in targets and not v.is_floating_point()]
+        if bad:
+            raise WeightUpdateError(f"{source}: tensors must be floating point, got {', '.join(bad[:10])}")
+        staged = {}
+        for key, t in targets.items():
+            param = params[t.param]
+            # NOTE: the named tensors were made by this updater (read, parsed or received), so a
+            # no-op .to() sharing their storage is fine: nobody else holds them.
+            # (DP: the model here is a meta-device skeleton; staging stays on the CPU for the ranks)
+            device = "cpu" if param.device.type == "meta" else param.device
+            value = named[key].to(device=device, dtype=param.dtype).contiguous()
+            if not bool(torch.isfinite(value).all()):
+                raise WeightUpdateError(f"{source}: tensor {key!r} holds NaN or infinite values")
+            staged[key] = value
+        if not staged:
+            raise WeightUpdateError(f"{source} holds no tensor for this model (only ignored names)")
+        return staged
+
+    def _swap(self, staged: dict[str, torch.Tensor], weight_version: Any, abort_all_requests: Any,
+              source: str) -> dict:
+        with self._swap_lock:
+            count = self.engine.swap_weights(staged, weight_version=weight_version,
+                                             abort_all_requests=abort_all_requests)
+        version = self.engine.weight_version
+        logger.info("weights updated from %s: %d tensors, weight_version=%s", source, count, version)
+        return {"success": True, "message": f"updated {count} tensors from {source}; prefix cache flushed",
+                "num_tensors": count, "weight_version": version}
+
+    @staticmethod
+    def check_common(weight_version: Any, abort_all_requests: Any) -> None:
+        if weight_version is not None and (not isinstance(weight_version, str) or len(weight_version) > 256):
+            raise WeightUpdateError(f"weight_version must be a string of at most 256 characters, "
+                                    f"got {weight_version!r}"[:300])
+        if not isinstance(abort_all_requests, bool):
+            raise WeightUpdateError(f"abort_all_requests must be a boolean, got {abort_all_requests!r}")
+
+    # ---- from disk -------------------------------------------------------------------------------
+    def _resolve_dir(self, model_path: Any) -> str:
+        if not isinstance(model_path, str) or not model_path or "\x00" in model_path:
+            raise WeightUpdateError(f"model_path must be a non-empty path string, got {model_path!r}"[:300])
+        real = os.path.realpath(model_path)
+        if not any(_is_under(real, d) for d in self.allowed_dirs):
+            raise WeightUpdateError("model_path is outside the directories this server may read weights from "
+                                    "(the model's own directory and --allowed-weight-dirs)", status=403)
+        if not os.path.isdir(real):
+            raise WeightUpdateError(f"model_path {model_path!r} is not a directory")
+        return real
+
+    def read_checkpoint(self, model_path: Any) -> dict[str, torch.Tensor]:
+        from safetensors import safe_open
+
+        real = self._resolve_dir(model_path)
+        try:
+            files = _checkpoint_files(real)
+        except (ValueError, OSError, KeyError, TypeError) as exc:
+            raise WeightUpdateError(f"cannot read checkpoint in {model_path!r}: {exc}") from None
+        named: dict[str, torch.Tensor] = {}
+        for f in files:
+            file_real = os.path.realpath(f)
+            if not any(_is_under(file_real, d) for d in self.allowed_dirs):
+                raise WeightUpdateError(f"checkpoint file {f.name!r} resolves outside the allowed weight "
+                                        f"directories", status=403)
+            try:
+                with safe_open(file_real, framework="pt") as st:
+                    for key in st.keys():
+                        if key in named:
+                            raise WeightUpdateError(f"tensor {key!r} appears in two checkpoint files")
+                        named[key] = st.get_tensor(key)
+            except WeightUpdateError:
+                raise
+            except Exception as exc:  # noqa: BLE001 (safetensors raises its own error types)
+                raise WeightUpdateError(f"cannot read {f.name!r}: {type(exc).__name__}: {exc}") from None
+        return named
+
+    def update_from_disk(self, model_path: Any, weight_version: Any = None, abort_all_requests: Any = False) -> dict:
+        self.check_common(weight_version, abort_all_requests)
+        named = self.read_checkpoint(model_path)
+        staged = self.stage(named, require_all=True, source=f"checkpoint {os.path.basename(str(model_path))!r}")
+        del named
+        return self._swap(staged, weight_version, abort_all_requests, "disk")
+
+    # ---- from tensor bytes -----------------------------------------------------------------------
+    def update_from_safetensors(self, data: bytes, weight_version: Any = None,
+                                abort_all_requests: Any = False) -> dict:
+        from safetensors.torch import load
+
+        self.check_common(weight_version, abort_all_requests)
+        if not data:
+            raise WeightUpdateError("the body holds no safetensors data")
+        try:
+            named = load(bytes(data))
+        except Exception as exc:  # noqa: BLE001 (safetensors raises its own error types)
+            raise WeightUpdateError(f"the body is not valid safetensors data: {type(exc).__name__}: {exc}") from None
+        staged = self.stage(named, require_all=False, source="tensors")
+        del named
+        return self._swap(staged, weight_version, abort_all_requests, "tensor")
+
+    # ---- over torch.distributed ------------------------------------------------------------------
+    def init_group(self, *, master_address: Any, master_port: Any, rank_offset: Any, world_size: Any,
+                   group_name: Any, backend: Any = "gloo", timeout_s: Any = DEFAULT_GROUP_TIMEOUT_S) -> dict:
+        if not isinstance(master_address, str) or not master_address or any(c in master_address for c in "/ @?#"):
+            raise WeightUpdateError(f"master_address must be a host name or address, got {master_address!r}"[:300])
+        for name, value, lo, hi in (("master_port", master_port, 1, 65535), ("world_size", world_size, 2, 2**16),
+                                    ("rank_offset", rank_offset, 1, 2**16)):
+            if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+                raise WeightUpdateError(f"{name} must be an integer in [{lo}, {hi}], got {value!r}"[:300])
+        if rank_offset >= world_size:
+            raise WeightUpdateError(f"rank_offset ({rank_offset}) must be < world_size ({world_size}): "
+                                    f"this server takes rank rank_offset, the trainer rank 0")
+        if not isinstance(group_name, str) or not group_name or len(group_name) > 128:
+            raise WeightUpdateError(f"group_name must be a non-empty string, got {group_name!r}"[:300])
+        if backend not in BACKENDS:
+            raise WeightUpdateError(f"backend must be one of {list(BACKENDS)}, got {backend!r}"[:300])
+        if backend == "nccl" and self.engine.config.device == "cpu":
+            raise WeightUpdateError("backend 'nccl' needs a CUDA device; this server runs on cpu (use gloo)")
+        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not 0 < timeout_s <= 3600 \
+                or not math.isfinite(timeout_s):
+            raise WeightUpdateError(f"timeout_s must be a number in (0, 3600], got {timeout_s!r}"[:300])
+        with self._group_lock:
+            if self._group is not None:
+                raise WeightUpdateError(f"weights update group {self._group_info['group_name']!r} already exists; "
+                                        f"destroy it first")
+            host = f"[{master_address}]" if ":" in master_address else master_address
+            try:
+                pg = init_custom_process_group(backend, f"tcp://{host}:{master_port}", world_size, rank_offset,
+                                               group_name, datetime.timedelta(seconds=timeout_s))
+            except Exception as exc:  # noqa: BLE001 (rendezvous raises many kinds)
+                raise WeightUpdateError(f"init_weights_update_group failed: {type(exc).__name__}: {exc}") from None
+            self._group = pg
+            self._group_info = {"group_name": group_name, "rank": rank_offset, "world_size": world_size,
+                                "backend": backend}
+        return {"success": True, "message": f"joined weights update group {group_name!r} as rank {rank_offset}"}
+
+    def destroy_group(self, group_name: Any = None) -> dict:
+        with self._group_lock:
+            if self._group is None:
+                raise WeightUpdateError("no weights update group exists")
+            if group_name is not None and group_name != self._group_info["group_name"]:
+                raise WeightUpdateError(f"group_name {group_name!r} does not match the existing group "
+                                        f"{self._group_info['group_name']!r}"[:300])
+            self._destroy_locked()
+        return {"success": True, "message": "weights update group destroyed"}
+
+    def _destroy_locked(self) -> None:
+        import torch.distributed as dist
+
+        pg, self._group, self._group_info = self._group, None, None
+        try:
+            dist.destroy_process_group(pg)
+        except Exception:  # noqa: BLE001 (a broken group is gone either way)
+            logger.warning("destroying the weights update group failed", exc_info=True)
+
+    def update_from_distributed(self, names: Any, dtypes: Any, shapes: Any, weight_version: Any = None,
+                                abort_all_requests: Any = False) -> dict:
+        """Receives each tensor by broadcast from the trainer's rank 0, in `names` order.
+
+        NOTE: when the metadata is well formed but does not fit the model, the tensors are still
+        received (and dropped) so the trainer's broadcasts do not hang; then the update is refused.
+        """
+        import torch.distributed as dist
+
+        self.check_common(weight_version, abort_all_requests)
+        if not all(isinstance(x, list) for x in (names, dtypes, shapes)):
+            raise WeightUpdateError("names, dtypes and shapes must be lists")
+        if not len(names) == len(dtypes) == len(shapes) or not names or len(names) > MAX_TENSORS:
+            raise WeightUpdateError(f"names, dtypes and shapes must be non-empty lists of equal length, got "
+                                    f"{len(names)}, {len(dtypes)}, {len(shapes)}")
+        if not all(isinstance(n, str) and n for n in names):
+            raise WeightUpdateError("names entries must be non-empty strings")
+        if len(set(names)) != len(names):
+            raise WeightUpdateError("names must not repeat")
+        torch_dtypes = [_dtype(d) for d in dtypes]
+        for s in shapes:
+            if not isinstance(s, list) or len(s) > 8 or not all(
+                    isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 2**40 for d in s):
+                raise WeightUpdateError(f"shapes entries must be lists of non-negative integers, got {s!r}"[:300])
+        model_bytes = sum(p.numel() * p.element_size() for p in self.engine.model.parameters())
+        total = sum(math.prod(s) * torch.empty((), dtype=dt).element_size() for s, dt in zip(shapes, torch_dtypes))
+        if total > 2 * model_bytes + 2**26:
+            raise WeightUpdateError(f"the tensors announced ({total} bytes) are far larger than the model "
+                                    f"({model_bytes} bytes); nothing received")
+        problem = None
+        try:
+            plan(self.engine.model, {n: tuple(s) for n, s in zip(names, shapes)}, require_all=False,
+                 source="update_weights_from_distributed")
+        except ValueError as exc:
+            problem = str(exc)
+        with self._group_lock:
+            if self._group is None:
+                raise WeightUpdateError("no weights update group: call /init_weights_update_group first")
+            device = self.engine.config.device if self._group_info["backend"] == "nccl" else "cpu"
+            received: dict[str, torch.Tensor] = {}
+            try:
+                for name, dt, shape in zip(names, torch_dtypes, shapes):
+                    buf = torch.empty(shape, dtype=dt, device=device)
+                    dist.broadcast(buf, src=0, group=self._group)
+                    if problem is None:
+                        received[name] = buf
+            except Exception as exc:  # noqa: BLE001 (a failed collective leaves the group unusable)
+                self._destroy_locked()
+                raise WeightUpdateError(f"receiving tensors failed ({type(exc).__name__}: {exc}); the weights "
+                                        f"update group was destroyed, old weights keep serving") from None
+        if problem is not None:
+            raise WeightUpdateError(problem + "\n(the tensors were received and dropped; old weights keep serving)")
+        staged = self.stage(received, require_all=False, source="update_weights_from_distributed")
+        del received
+        return self._swap(staged, weight_version, abort_all_requests, "distributed")
+
+    def shutdown(self) -> None:
+        with self._group_lock:
+            if self._group is not None:
+                self._destroy_locked()

@@ -1,0 +1,211 @@
+"""Server benchmark: a real rollout-serve process vs the same workload through the Python API.
+
+    python scripts/bench_server.py [--model-path DIR] [--concurrency 1 16 64] [--prompt-len 32]
+                                   [--max-new-tokens 64] [--json PATH]
+
+Workload: closed-loop clients, each sending streaming greedy requests (random prompt ids,
+ignore_eos, routing on in int32) one after another. For each concurrency c it reports output
+tokens/s (all tokens / wall time) and the p50/p99 time per output token, where the samples are
+the gaps between consecutive streamed tokens of a request (each chunk is one token). The same
+runs go through `Rollout.async_generate(stream=True)` in-process ("python" rows): the difference
+is the server's overhead (HTTP, JSON, SSE, base64 routing). Both alternate, best of --repeats. Response bytes per output token are
+measured for non-streaming and streaming /generate responses without routing and with each
+routing format.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import httpx  # noqa: E402
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    s = sorted(values)
+    return s[min(len(s) - 1, max(0, round(q / 100 * (len(s) - 1))))]
+
+
+def workload(c: int, prompt_len: int, seed: int) -> list[list[list[int]]]:
+    """Per client, the prompts it sends in order."""
+    per_client = max(1, {1: 8, 16: 4}.get(c, 2))
+    rng = random.Random(seed * 1000 + c)
+    return [[[rng.randrange(3, 500) for _ in range(prompt_len)] for _ in range(per_client)] for _ in range(c)]
+
+
+def summarize(name: str, c: int, wall: float, tokens: int, gaps: list[float]) -> dict:
+    return {"api": name, "concurrency": c, "requests_tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall,
+            "tpot_p50_ms": 1e3 * percentile(gaps, 50), "tpot_p99_ms": 1e3 * percentile(gaps, 99)}
+
+
+# ---- server side ----------------------------------------------------------------------------------
+class Server:
+    def __init__(self, flags: list[str]):
+        self.log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
+        env = dict(os.environ, PYTHONPATH=str(ROOT), TOKENIZERS_PARALLELISM="false")
+        exe = Path(sys.executable).parent / "rollout-serve"
+        cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "rollout.server"]
+        self.proc = subprocess.Popen(cmd + ["--host", "127.0.0.1", "--port", "0", "--log-level", "warning"] + flags,
+                                     stdout=self.log, stderr=subprocess.STDOUT, env=env, cwd=str(ROOT))
+        deadline = time.monotonic() + 120
+        while True:
+            m = re.search(r"listening on (http://\S+)", Path(self.log.name).read_text())
+            if m:
+                self.url = m.group(1)
+                break
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(Path(self.log.name).read_text())
+            time.sleep(0.05)
+        while httpx.get(self.url + "/health").status_code != 200:
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        self.proc.send_signal(signal.SIGTERM)
+        self.proc.wait(30)
+        os.unlink(self.log.name)
+
+
+async def server_run(url: str, prompts: list[list[list[int]]], params: dict) -> tuple[float, int, list[float]]:
+    gaps: list[float] = []
+    tokens = 0
+
+    async def client(ac: httpx.AsyncClient, mine: list[list[int]]) -> None:
+        nonlocal tokens
+        for p in mine:
+            body = {"input_ids": p, "sampling_params": params, "stream": True, "return_routed_experts": True}
+            last = None
+            async with ac.stream("POST", "/generate", json=body) as r:
+                async for line in r.aiter_lines():
+                    if not line.startswith("data: {"):
+                        continue
+                    n = len(json.loads(line[6:])["output_ids"])
+                    now = time.perf_counter()
+                    if last is not None and n:
+                        gaps.append((now - last) / n)
+                    last = now
+                    tokens += n
+
+    limits = httpx.Limits(max_connections=len(prompts) + 8, max_keepalive_connections=len(prompts) + 8)
+    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as ac:
+        t0 = time.perf_counter()
+        await asyncio.gather(*[client(ac, mine) for mine in prompts])
+        return time.perf_counter() - t0, tokens, gaps
+
+
+def response_bytes(url: str, prompt_len: int, params: dict, seed: int) -> list[dict]:
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(3, 500) for _ in range(prompt_len)] for _ in range(8)]
+    rows = []
+    with httpx.Client(base_url=url, timeout=600) as c:
+        for fmt in ("none", "int32", "compact"):
+            extra = {} if fmt == "none" else {"return_routed_experts": True, "routed_experts_format": fmt}
+            for stream in (False, True):
+                nbytes = tokens = 0
+                for p in prompts:
+                    body = {"input_ids": p, "sampling_params": params, "stream": stream, "return_logprob": True,
+                            **extra}
+                    r = c.post("/generate", json=body)
+                    nbytes += len(r.content)
+                    tokens += params["max_new_tokens"]
+                rows.append({"routing": fmt, "stream": stream, "bytes_per_output_token": nbytes / tokens,
+                             "bytes_per_request": nbytes / len(prompts)})
+    return rows
+
+
+# ---- python side ----------------------------------------------------------------------------------
+async def python_run(engine, prompts: list[list[list[int]]], params: dict) -> tuple[float, int, list[float]]:
+    gaps: list[float] = []
+    tokens = 0
+
+    async def client(mine: list[list[int]]) -> None:
+        nonlocal tokens
+        for p in mine:
+            last = None
+            async for chunk in engine.async_generate(input_ids=[p], sampling_params=params, stream=True,
+                                                     return_routed_experts=True):
+                n = len(chunk.output_ids)
+                now = time.perf_counter()
+                if last is not None and n:
+                    gaps.append((now - last) / n)
+                last = now
+                tokens += n
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*[client(mine) for mine in prompts])
+    return time.perf_counter() - t0, tokens, gaps
+
+
+def main() -> None:
+    from rollout.config import DEFAULT_MODEL_PATH
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model-path", default=DEFAULT_MODEL_PATH)
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
+    ap.add_argument("--prompt-len", type=int, default=32)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--repeats", type=int, default=2, help="runs per (api, concurrency); the best is kept")
+    ap.add_argument("--json", default=None, help="write the results here")
+    args = ap.parse_args()
+    params = {"temperature": 0.0, "max_new_tokens": args.max_new_tokens, "ignore_eos": True}
+    flags = ["--model-path", args.model_path, "--enable-return-routed-experts", "--disable-prefix-caching"]
+    results: dict = {"config": vars(args), "throughput": [], "bytes": []}
+
+    from rollout import Rollout
+
+    # NOTE: both run side by side and alternate (best of --repeats each), so that load from
+    # other processes on a shared machine biases neither.
+    srv = Server(flags)
+    try:
+        with Rollout(args.model_path, enable_return_routed_experts=True, enable_prefix_caching=False) as engine:
+            for c in args.concurrency:
+                warm = workload(c, args.prompt_len, args.seed + 99)[:1]
+                asyncio.run(server_run(srv.url, warm, params))
+                asyncio.run(python_run(engine, warm, params))
+                best: dict = {}
+                for _ in range(args.repeats):
+                    for name, run in (("python", lambda w: python_run(engine, w, params)),
+                                      ("server", lambda w: server_run(srv.url, w, params))):
+                        r = summarize(name, c, *asyncio.run(run(workload(c, args.prompt_len, args.seed))))
+                        if name not in best or r["tokens_per_s"] > best[name]["tokens_per_s"]:
+                            best[name] = r
+                results["throughput"] += [best["python"], best["server"]]
+        results["bytes"] = response_bytes(srv.url, args.prompt_len, params, args.seed)
+    finally:
+        srv.stop()
+
+    print(f"\nprompt {args.prompt_len} tokens, {args.max_new_tokens} new tokens, greedy, routing int32 on, "
+          f"streaming; model {os.path.basename(args.model_path)}\n")
+    print(f"{'api':<8}{'clients':>8}{'tokens':>8}{'tok/s':>10}{'TPOT p50 ms':>13}{'TPOT p99 ms':>13}")
+    by = {(r["api"], r["concurrency"]): r for r in results["throughput"]}
+    for c in args.concurrency:
+        for api in ("python", "server"):
+            r = by[(api, c)]
+            print(f"{api:<8}{c:>8}{r['requests_tokens']:>8}{r['tokens_per_s']:>10.0f}{r['tpot_p50_ms']:>13.2f}"
+                  f"{r['tpot_p99_ms']:>13.2f}")
+        s, p = by[("server", c)], by[("python", c)]
+        print(f"{'':<8}{'':>8}{'':>8}{'server/python tok/s: ' + format(s['tokens_per_s'] / p['tokens_per_s'], '.2f'):>36}")
+    print(f"\n{'routing':<10}{'stream':>8}{'bytes/token':>14}{'bytes/request':>15}   (logprobs on)")
+    for r in results["bytes"]:
+        print(f"{r['routing']:<10}{str(r['stream']):>8}{r['bytes_per_output_token']:>14.1f}"
+              f"{r['bytes_per_request']:>15.0f}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,183 @@
+"""Starts a real `rollout-serve` process on a free loopback port and waits for /health."""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Optional, Sequence
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+_LISTENING = re.compile(r"rollout-serve listening on (http://\S+)")
+
+
+def _serve_command() -> list[str]:
+    exe = Path(sys.executable).parent / "rollout-serve"
+    if exe.exists():
+        return [str(exe)]
+    return [sys.executable, "-m", "rollout.server"]
+
+
+class ServerProcess:
+    """`with ServerProcess([...flags]) as srv:` -> srv.url; the process is stopped (and checked) on exit."""
+
+    def __init__(self, flags: Sequence[str] = (), *, startup_timeout: float = 120.0, env: Optional[dict] = None):
+        self.flags = list(flags)
+        self.startup_timeout = startup_timeout
+        self.env = env
+        self.url = ""
+        self.proc: Optional[subprocess.Popen] = None
+        self._log = None
+
+    def start(self) -> "ServerProcess":
+        self._log = tempfile.NamedTemporaryFile("w+", prefix="rollout-serve-", suffix=".log", delete=False)
+        env = dict(os.environ)
+        env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+        env.setdefault("TOKENIZERS_PARALLELISM", "false")
+        env.setdefault("HF_HUB_OFFLINE", "1")
+        env.setdefault("OMP_NUM_THREADS", "2")
+        env.update(self.env or {})
+        cmd = _serve_command() + ["--host", "127.0.0.1", "--port", "0", "--log-level", "warning"] + self.flags
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, cwd=str(ROOT), env=env,
+                                     start_new_session=True)
+        deadline = time.monotonic() + self.startup_timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"rollout-serve exited with {self.proc.returncode}:\n{self.log()}")
+            m = _LISTENING.search(self.log())
+            if m:
+                self.url = m.group(1)
+                break
+            time.sleep(0.05)
+        else:
+            self.stop()
+            raise RuntimeError(f"rollout-serve did not start in {self.startup_timeout}s:\n{self.log()}")
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.05)
+        self.stop()
+        raise RuntimeError(f"rollout-serve /health never answered:\n{self.log()}")
+
+    def log(self) -> str:
+        if self._log is None:
+            return ""
+        return Path(self._log.name).read_text(errors="replace")
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self, timeout: float = 20.0) -> Optional[int]:
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(5)
+        return self.proc.returncode
+
+    def __enter__(self) -> "ServerProcess":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+        if self._log is not None:
+            self._log.close()
+            os.unlink(self._log.name)
+            self._log = None
+
+
+def wait_idle(client: httpx.Client, timeout: float = 30.0) -> dict:
+    """Polls /v1/loads until nothing runs or waits; returns the load entry."""
+    deadline = time.monotonic() + timeout
+    while True:
+        load = client.get("/v1/loads").json()["loads"][0]
+        if load["num_running_reqs"] == 0 and load["num_waiting_reqs"] == 0:
+            return load
+        if time.monotonic() > deadline:
+            raise AssertionError(f"server not idle after {timeout}s: {load}")
+        time.sleep(0.02)
+
+
+def sse_events(response: httpx.Response):
+    """JSON objects of an SSE response (skips comments), stopping at [DONE]."""
+    import json
+
+    for line in response.iter_lines():
+        if not line.startswith("data: "):
+            continue
+        data = line[len("data: "):]
+        if data == "[DONE]":
+            return
+        yield json.loads(data)
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def trainer_main(url: str, admin_key: str, weights_file: str, out_path: str) -> None:
+    """A trainer process: joins the server's weights update group as rank 0 and broadcasts tensors
+    while the HTTP calls run, exactly as SGLang-based trainers do. Writes each step's answer to out_path."""
+    import datetime
+    import json
+    from concurrent.futures import ThreadPoolExecutor
+
+    import torch
+    import torch.distributed as dist
+    from safetensors.torch import load_file
+
+    from rollout.weight_updater import init_custom_process_group
+
+    tensors = load_file(weights_file)
+    headers = {"Authorization": f"Bearer {admin_key}"}
+    results = {}
+
+    def post(path, body):
+        r = httpx.post(url + path, json=body, headers=headers, timeout=120)
+        return [r.status_code, r.json()]
+
+    port = free_port()
+    with ThreadPoolExecutor(1) as ex:
+        fut = ex.submit(post, "/init_weights_update_group", {
+            "master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2,
+            "group_name": "rollout-test", "backend": "gloo"})
+        pg = init_custom_process_group("gloo", f"tcp://127.0.0.1:{port}", 2, 0, "rollout-test",
+                                       datetime.timedelta(seconds=60))
+        results["init"] = fut.result()
+        names = sorted(tensors)
+        fut = ex.submit(post, "/update_weights_from_distributed", {
+            "names": names, "dtypes": [str(tensors[n].dtype).removeprefix("torch.") for n in names],
+            "shapes": [list(tensors[n].shape) for n in names], "weight_version": "v-dist"})
+        for n in names:
+            dist.broadcast(tensors[n].contiguous(), src=0, group=pg)
+        results["update"] = fut.result()
+        fut = ex.submit(post, "/update_weights_from_distributed", {
+            "names": ["lm_head.weight"], "dtypes": ["float32"], "shapes": [[3, 3]], "weight_version": "v-bad"})
+        dist.broadcast(torch.zeros(3, 3), src=0, group=pg)
+        results["wrong_shape"] = fut.result()
+    results["destroy"] = post("/destroy_weights_update_group", {"group_name": "rollout-test"})
+    dist.destroy_process_group(pg)
+    with open(out_path, "w") as f:
+        json.dump(results, f)
+
+
+if __name__ == "__main__" and len(sys.argv) > 1 and sys.argv[1] == "trainer":
+    trainer_main(*sys.argv[2:6])
