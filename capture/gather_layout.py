@@ -48,3 +48,14 @@ class GatherLayout:
         """[start, stop) rows of rank's real tokens in the gathered buffer."""
         start = self.rank_start(rank)
         return start, start + self.token_counts[rank]
+
+    def rank_span(self, rank: int) -> tuple[int, int]:
+        """[start, stop) rows rank r contributed to the gather: its whole padded extent, or its tokens."""
+        start = self.rank_start(rank)
+        width = self.padded_extent if self.padded_extent is not None else self.token_counts[rank]
+        return start, start + width
+
+    @property
+    def max_span(self) -> int:
+        """Rows of the widest rank's contribution (padded extent, or the largest token count)."""
+        return self.padded_extent if self.padded_extent is not None else max(self.token_counts)

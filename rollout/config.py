@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -31,6 +32,37 @@ def _int_tuple(name: str, value: Any) -> tuple[int, ...]:
     return tuple(sorted(out))
 
 
+_AXIS_WORD = re.compile(r"^[A-Za-z0-9]+$")
+_VALUE_WORD = re.compile(r"^[A-Za-z0-9.]+$")
+
+
+def _variant_axes(value: Any) -> tuple[tuple[str, tuple[str, ...]], ...]:
+    """{name: values} or ((name, values), ...) -> normalised tuple; names/values are plain words so
+    that capture trace names (`decode_bs8_<axis>-<value>_rank0`) stay unambiguous."""
+    what = "graph_variant_axes must map axis names to non-empty lists of distinct values"
+    items = list(value.items()) if isinstance(value, dict) else value
+    if items is None or isinstance(items, (str, bytes)) or not hasattr(items, "__iter__"):
+        raise ValueError(f"{what}, got {value!r}")
+    out = []
+    for item in items:
+        if not isinstance(item, (tuple, list)) or len(item) != 2:
+            raise ValueError(f"{what}, got {value!r}")
+        name, values = item
+        if not isinstance(name, str) or not _AXIS_WORD.match(name):
+            raise ValueError(f"graph_variant_axes: axis name must be letters/digits, got {name!r}")
+        if isinstance(values, (str, bytes)) or not hasattr(values, "__iter__"):
+            raise ValueError(f"graph_variant_axes[{name!r}] must be a list of values, got {values!r}")
+        values = tuple(str(v) if isinstance(v, int) and not isinstance(v, bool) else v for v in values)
+        if not values or len(set(values)) != len(values) or not all(
+                isinstance(v, str) and _VALUE_WORD.match(v) for v in values):
+            raise ValueError(f"graph_variant_axes[{name!r}] must be distinct letters/digits/dots values, "
+                             f"got {list(values)!r}")
+        out.append((name, values))
+    if len({n for n, _ in out}) != len(out):
+        raise ValueError(f"graph_variant_axes repeats an axis name: {[n for n, _ in out]}")
+    return tuple(out)
+
+
 @dataclass(frozen=True, kw_only=True)
 class EngineConfig:
     model_path: str = DEFAULT_MODEL_PATH
@@ -47,6 +79,14 @@ class EngineConfig:
     decode_graph_batch_sizes: tuple[int, ...] = ()
     prefill_graph_token_sizes: tuple[int, ...] = ()
     dp_size: int = 1
+    # NOTE: a device budget for the routed-expert capture buffer; a config whose forwards need more
+    # rows (capture_buffer_rows) is rejected at startup, naming the values. None = no cap.
+    max_capture_buffer_rows: Optional[int] = None
+    enable_profile_graph_capture: bool = False    # one torch.profiler trace per captured shape
+    profile_graph_capture_dir: Optional[str] = None   # default ./graph_capture_profile
+    # extra capture axes, {name: (value, ...)}: each bucket is captured once per combination
+    # (test-only today; real axes would be e.g. a LoRA or attention variant)
+    graph_variant_axes: tuple[tuple[str, tuple[str, ...]], ...] = ()
     seed: int = 0
     weight_version: str = "default"
 
@@ -63,8 +103,14 @@ class EngineConfig:
         _positive_int("kv_cache_bytes", self.kv_cache_bytes, allow_none=True)
         _positive_int("context_length", self.context_length, allow_none=True, minimum=2)
         _positive_int("dp_size", self.dp_size)
+        _positive_int("max_capture_buffer_rows", self.max_capture_buffer_rows, allow_none=True)
+        if self.profile_graph_capture_dir is not None and (
+                not isinstance(self.profile_graph_capture_dir, str) or not self.profile_graph_capture_dir):
+            raise ValueError(f"profile_graph_capture_dir must be a non-empty path or None, "
+                             f"got {self.profile_graph_capture_dir!r}")
+        object.__setattr__(self, "graph_variant_axes", _variant_axes(self.graph_variant_axes))
         _positive_int("seed", self.seed, minimum=0)
-        for name in ("enable_prefix_caching", "enable_return_routed_experts"):
+        for name in ("enable_prefix_caching", "enable_return_routed_experts", "enable_profile_graph_capture"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a boolean, got {getattr(self, name)!r}")
         object.__setattr__(self, "decode_graph_batch_sizes",
@@ -80,3 +126,10 @@ class EngineConfig:
     @property
     def resolved_tokenizer_path(self) -> str:
         return self.tokenizer_path or self.model_path
+
+    @property
+    def resolved_profile_graph_capture_dir(self) -> Optional[str]:
+        """Where capture traces go; None when graph-capture profiling is off."""
+        if not self.enable_profile_graph_capture:
+            return None
+        return self.profile_graph_capture_dir or os.path.join(os.getcwd(), "graph_capture_profile")

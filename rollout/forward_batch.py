@@ -29,6 +29,11 @@ class ForwardBatch:
     max_extend: int
     kv_pool: KVPool
     capture: Optional[Any] = None    # capture target with .record(layer_id, topk_ids), or None
+    # DP attention: the executing runner's GatherLayout and the expert-parallel group that gathers
+    # hidden states by it before each MoE layer (both None on a single rank).
+    layout: Optional[Any] = None
+    ep_group: Optional[Any] = None
+    graph_safe: bool = False         # no host syncs (CUDA graph capture): MoE takes its dense path
 
     @property
     def num_tokens(self) -> int:
@@ -37,6 +42,18 @@ class ForwardBatch:
     @property
     def batch_size(self) -> int:
         return int(self.seq_lens.shape[0])
+
+    @staticmethod
+    def empty(*, kv_pool: KVPool, capture: Optional[Any] = None,
+              device: torch.device | str = "cpu") -> "ForwardBatch":
+        """No tokens at all: an idle DP rank's part in a step (it still joins every collective)."""
+        dev = torch.device(device)
+        none = torch.zeros(0, dtype=torch.int64, device=dev)
+        return ForwardBatch(
+            input_ids=none, positions=none, out_cache_loc=none, seq_lens=none, extend_lens=none,
+            kv_indices=torch.zeros((0, 1), dtype=torch.int64, device=dev), q_pad_index=none,
+            attn_mask=torch.ones((0, 1, 1, 1), dtype=torch.bool, device=dev), logits_indices=none,
+            max_extend=1, kv_pool=kv_pool, capture=capture)
 
     @staticmethod
     def build(*, input_ids: list[int], out_cache_loc: torch.Tensor, prefix_lens: list[int],

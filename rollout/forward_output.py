@@ -12,3 +12,8 @@ from capture.gather_layout import GatherLayout
 class ForwardOutput:
     logits: torch.Tensor     # [B, vocab] fp32, one row per request (its last new token)
     layout: GatherLayout     # the executing runner's layout; capture reads only this
+
+    @property
+    def runner(self) -> str:
+        """The runner that executed ("eager", "decode_graph", "prefill_graph")."""
+        return self.layout.runner

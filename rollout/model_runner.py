@@ -1,36 +1,97 @@
-"""ModelRunner: turns a ScheduledBatch into a ForwardBatch and runs the model (eager)."""
+"""ModelRunner: picks the runner for each step (with every DP rank) and runs the batch through it.
+
+Per step: this rank's batch shape is exchanged with the other DP ranks (one small all-gather), the
+RunnerPlan picks one runner and bucket from all shapes (so every rank agrees), and that runner
+executes and returns a ForwardOutput carrying the GatherLayout it used. Capture reads only that.
+"""
 from __future__ import annotations
 
+from collections import Counter, deque
 from typing import Any, Optional
 
 import torch
 
+from capture.buffer_sizing import ForwardShapeLimits
 from capture.gather_layout import GatherLayout
-from rollout.forward_batch import ForwardBatch
 from rollout.forward_output import ForwardOutput
 from rollout.kv_pool import KVPool
+from rollout.runners.capture_profiler import GraphCaptureProfiler, Variant, variant_product
+from rollout.runners.decode_graph_runner import DecodeGraphRunner
+from rollout.runners.eager_runner import EagerRunner
+from rollout.runners.graph_backend import CudaGraphBackend, GraphBackend
+from rollout.runners.prefill_graph_runner import PrefillGraphRunner
+from rollout.runners.runner_plan import DECODE, EAGER, PREFILL, RankShape, RunnerPlan
 from rollout.scheduler import ScheduledBatch
 
 
 class ModelRunner:
     def __init__(self, *, model: torch.nn.Module, kv_pool: KVPool, device: torch.device,
-                 capture_buffer: Optional[Any] = None):
+                 limits: Optional[ForwardShapeLimits] = None, capture_buffer: Optional[Any] = None,
+                 seq_capacity: Optional[int] = None, ep_group: Optional[Any] = None,
+                 variant_axes: tuple[tuple[str, tuple[str, ...]], ...] = (),
+                 use_cuda_graphs: Optional[bool] = None, static_grid: Optional[bool] = None):
+        """limits: the same ForwardShapeLimits the capture buffer is sized from (None: eager only).
+
+        use_cuda_graphs: default on for a CUDA device. static_grid: keep the decode attention grid
+        at seq_capacity keys (default: only with CUDA graphs, which need it).
+        """
         self.model = model
         self.kv_pool = kv_pool
         self.device = device
         self.capture_buffer = capture_buffer
+        self.ep_group = ep_group
+        if limits is None:
+            limits = ForwardShapeLimits(dp_size=1, max_running_requests=1, chunked_prefill_tokens=1)
+        assert (ep_group.size if ep_group is not None else 1) == limits.dp_size, (ep_group, limits)
+        self.limits = limits
+        self.plan = RunnerPlan(limits)
+        self.dp_rank = ep_group.rank if ep_group is not None else 0
+        if use_cuda_graphs is None:
+            use_cuda_graphs = device.type == "cuda"
+        if static_grid is None:
+            static_grid = use_cuda_graphs
+        if static_grid and seq_capacity is None:
+            raise ValueError("a static attention grid needs seq_capacity (the context length)")
+        common = dict(model=model, kv_pool=kv_pool, device=device, capture_buffer=capture_buffer, ep_group=ep_group)
+        self.runners: dict[str, Any] = {EAGER: EagerRunner(**common)}
+        if limits.decode_graph_batch_sizes:
+            backend = CudaGraphBackend(model) if use_cuda_graphs else GraphBackend(model)
+            self.runners[DECODE] = DecodeGraphRunner(
+                sizes=limits.decode_graph_batch_sizes, backend=backend, dp_size=limits.dp_size,
+                tokens_per_step=limits.tokens_per_decode_step,
+                seq_capacity=seq_capacity if static_grid else None, **common)
+        if limits.prefill_graph_token_sizes:
+            self.runners[PREFILL] = PrefillGraphRunner(
+                sizes=limits.prefill_graph_token_sizes, backend=GraphBackend(model), dp_size=limits.dp_size,
+                **common)
+        self.variants: list[Variant] = variant_product(variant_axes)
+        self.counts: Counter = Counter()
+        self.recent_layouts: deque[GatherLayout] = deque(maxlen=512)
 
-    def build_forward_batch(self, batch: ScheduledBatch) -> ForwardBatch:
-        input_ids: list[int] = []
-        for req, pre, ext in zip(batch.reqs, batch.prefix_lens, batch.extend_lens):
-            input_ids += req.fill_ids[pre:pre + ext]
-        return ForwardBatch.build(
-            input_ids=input_ids, out_cache_loc=batch.out_cache_loc, prefix_lens=batch.prefix_lens,
-            extend_lens=batch.extend_lens, req_slots=[r.kv_slots for r in batch.reqs],
-            kv_pool=self.kv_pool, capture=self.capture_buffer, device=self.device)
+    def capture(self, profiler: Optional[GraphCaptureProfiler] = None) -> None:
+        """Captures every static runner's buckets (x every variant): CUDA graphs on GPU; on CPU only
+        with a profiler (then each capture is a warm-up forward of that bucket's static buffers)."""
+        profiler = profiler or GraphCaptureProfiler(None)
+        for name in (DECODE, PREFILL):
+            runner = self.runners.get(name)
+            if runner is not None and (runner.backend.uses_graphs or profiler.enabled):
+                runner.capture(profiler, self.variants, self.dp_rank)
+                runner.active_variant = self.variants[0]
 
     @torch.inference_mode()
-    def forward(self, batch: ScheduledBatch) -> ForwardOutput:
-        fb = self.build_forward_batch(batch)
-        logits = self.model(fb)
-        return ForwardOutput(logits=logits.float(), layout=GatherLayout.packed("eager", (fb.num_tokens,)))
+    def forward(self, batch: Optional[ScheduledBatch]) -> Optional[ForwardOutput]:
+        """batch None: this rank has nothing (DP: it still takes part). None when no rank has tokens."""
+        shape = RankShape.of(batch)
+        if self.ep_group is not None:
+            shapes = [RankShape.decode(v) for v in self.ep_group.exchange(shape.encode())]
+        else:
+            shapes = [shape]
+        choice = self.plan.choose(shapes)
+        if choice is None:
+            return None
+        counts = tuple(s.num_tokens for s in shapes)
+        out = self.runners[choice.runner].forward(batch, counts, choice)
+        assert out.layout.runner == choice.runner and out.layout.padded_extent == choice.extent, (out.layout, choice)
+        self.counts[choice.runner] += 1
+        self.recent_layouts.append(out.layout)
+        return out

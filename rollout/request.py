@@ -48,6 +48,7 @@ class Req:
     max_total_len: int = 0               # prompt + output never exceed this (context limit)
     sink: Optional[Callable[[Any], None]] = None
     detokenizer: Optional[IncrementalDetokenizer] = None
+    routed_dp_rank: Optional[int] = None  # DP attention: the rank this request must run on (None = any)
 
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)

@@ -30,8 +30,17 @@ class FusedExperts(nn.Module):
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
 
-    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-        """x [N, H], topk_weights float32 [N, K], topk_ids int64 [N, K] -> [N, H] in x.dtype."""
+    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                experts: tuple[int, int] | None = None, dense: bool = False) -> torch.Tensor:
+        """x [N, H], topk_weights float32 [N, K], topk_ids int64 [N, K] -> [N, H] in x.dtype.
+
+        experts: [lo, hi) of the experts to compute (expert parallel: this rank's shard); the
+        others contribute nothing here. dense: no host sync (CUDA graph capture): every expert in
+        range runs over every row, weighted by zero where it was not picked.
+        """
+        lo, hi = experts if experts is not None else (0, self.num_experts)
+        if dense:
+            return self._forward_dense(x, topk_weights, topk_ids, lo, hi)
         n, k = topk_ids.shape
         out = torch.zeros_like(x)
         flat_ids = topk_ids.reshape(-1)                                    # [N*K]
@@ -39,8 +48,9 @@ class FusedExperts(nn.Module):
         counts = torch.bincount(flat_ids, minlength=self.num_experts).tolist()
         token_of = order // k                                              # [N*K] token row
         weight_of = topk_weights.reshape(-1)[order]                        # [N*K]
-        start = 0
-        for e, cnt in enumerate(counts):
+        start = sum(counts[:lo])
+        for e in range(lo, hi):
+            cnt = counts[e]
             if cnt == 0:
                 continue
             rows = token_of[start:start + cnt]
@@ -51,6 +61,16 @@ class FusedExperts(nn.Module):
             y = y * weight_of[start:start + cnt, None].to(y.dtype)
             out.index_add_(0, rows, y)
             start += cnt
+        return out
+
+    def _forward_dense(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                       lo: int, hi: int) -> torch.Tensor:
+        out = torch.zeros_like(x)
+        for e in range(lo, hi):
+            w = (topk_weights * (topk_ids == e)).sum(-1)                   # [N] float32, 0 if not picked
+            gate, up = F.linear(x, self.w13[e]).chunk(2, dim=-1)           # [N, I] each
+            y = F.linear(F.silu(gate) * up, self.w2[e])                    # [N, H]
+            out = out + y * w[:, None].to(y.dtype)
         return out
 
 
@@ -73,9 +93,21 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         """x [N, H] -> [N, H]."""
-        topk_weights, topk_ids = softmax_topk(self.gate(x), self.top_k, self.renormalize,
-                                              capture=fb.capture, layer_id=self.layer_id)
-        out = self.experts(x, topk_weights, topk_ids)
+        ep = fb.ep_group
+        if ep is None:
+            topk_weights, topk_ids = softmax_topk(self.gate(x), self.top_k, self.renormalize,
+                                                  capture=fb.capture, layer_id=self.layer_id)
+            out = self.experts(x, topk_weights, topk_ids, dense=fb.graph_safe)
+        else:
+            # DP attention: route every rank's tokens (gathered by the executing runner's layout, so
+            # the capture buffer rows sit where the capturer slices them), compute this rank's
+            # experts, and sum over ranks back into this rank's own rows.
+            x_all = ep.gather(x, fb.layout)                                # [layout.total_rows, H]
+            topk_weights, topk_ids = softmax_topk(self.gate(x_all), self.top_k, self.renormalize,
+                                                  capture=fb.capture, layer_id=self.layer_id)
+            partial = self.experts(x_all, topk_weights, topk_ids,
+                                   experts=ep.expert_range(self.experts.num_experts), dense=fb.graph_safe)
+            out = ep.reduce_own(partial, fb.layout)                        # [N, H]
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out

@@ -1,0 +1,34 @@
+"""EagerRunner: runs a batch at its own shape; under DP the ranks' tokens are packed (no padding)."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+import torch
+
+from capture.gather_layout import GatherLayout
+from rollout.forward_output import ForwardOutput
+from rollout.kv_pool import KVPool
+from rollout.runners.padded_batch import padded_forward_batch
+from rollout.runners.runner_plan import EAGER, RunnerChoice
+
+
+class EagerRunner:
+    name = EAGER
+
+    def __init__(self, *, model: torch.nn.Module, kv_pool: KVPool, device: torch.device,
+                 capture_buffer: Optional[Any] = None, ep_group: Optional[Any] = None):
+        self.model = model
+        self.kv_pool = kv_pool
+        self.device = device
+        self.capture_buffer = capture_buffer
+        self.ep_group = ep_group
+
+    def forward(self, batch: Optional[Any], counts: tuple[int, ...],
+                choice: Optional[RunnerChoice] = None) -> ForwardOutput:
+        """batch: this rank's ScheduledBatch, or None (idle: an empty forward that joins the collectives)."""
+        layout = GatherLayout.packed(self.name, counts)
+        fb = padded_forward_batch(batch, kv_pool=self.kv_pool, device=self.device, capture=self.capture_buffer)
+        fb = dataclasses.replace(fb, layout=layout, ep_group=self.ep_group)
+        logits = self.model(fb)
+        return ForwardOutput(logits=logits.float(), layout=layout)

@@ -1,0 +1,49 @@
+"""padded_batch: a ScheduledBatch as a ForwardBatch, optionally padded to a token extent.
+
+Padding tokens form extra requests of at most `pad_chunk` tokens each (token id 0, positions from
+0). Their KV slots are all SINK_SLOT, so their KV writes land in the sink, and their attention rows
+see only sink keys; no real request's row ever sees a sink column (kv_indices beyond a request's
+length are masked). Real requests keep their order and come first, so logits row b is request b.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from rollout.forward_batch import ForwardBatch
+from rollout.kv_pool import SINK_SLOT, KVPool
+
+
+def padded_forward_batch(batch: Optional[Any], *, kv_pool: KVPool, device: torch.device,
+                         capture: Optional[Any] = None, pad_to: int = 0, pad_chunk: int = 1) -> ForwardBatch:
+    """batch: a ScheduledBatch or None (idle rank). pad_to: total tokens after padding (0 = none)."""
+    input_ids: list[int] = []
+    prefix_lens: list[int] = []
+    extend_lens: list[int] = []
+    req_slots: list[torch.Tensor] = []
+    locs: list[torch.Tensor] = []
+    if batch is not None:
+        for req, pre, ext in zip(batch.reqs, batch.prefix_lens, batch.extend_lens):
+            input_ids += req.fill_ids[pre:pre + ext]
+        prefix_lens += list(batch.prefix_lens)
+        extend_lens += list(batch.extend_lens)
+        req_slots += [r.kv_slots for r in batch.reqs]
+        locs.append(batch.out_cache_loc)
+    pad = pad_to - len(input_ids)
+    assert pad_to == 0 or pad >= 0, (pad_to, len(input_ids))
+    chunk = max(1, pad_chunk)
+    while pad > 0:
+        c = min(chunk, pad)
+        sink = torch.full((c,), SINK_SLOT, dtype=torch.int64)
+        input_ids += [0] * c
+        prefix_lens.append(0)
+        extend_lens.append(c)
+        req_slots.append(sink)
+        locs.append(sink)
+        pad -= c
+    if not extend_lens:
+        return ForwardBatch.empty(kv_pool=kv_pool, capture=capture, device=device)
+    return ForwardBatch.build(input_ids=input_ids, out_cache_loc=torch.cat(locs), prefix_lens=prefix_lens,
+                              extend_lens=extend_lens, req_slots=req_slots, kv_pool=kv_pool, capture=capture,
+                              device=device)

@@ -1,0 +1,30 @@
+"""PrefillGraphRunner: steps of up to a bucket's token count, padded to exactly that many tokens.
+
+Token-indexed inputs (ids, positions, KV write slots, hidden states, MoE input, capture rows) are
+static per bucket. The attention grid stays per step: a static grid for prefill would need
+[requests, 1, tokens, context] masks. NOTE: so on a GPU this runner executes its static buffers
+without a CUDA graph; graphing prefill needs piecewise capture around a varlen attention kernel.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from rollout.runners.runner_plan import PREFILL
+from rollout.runners.static_inputs import StaticInputs
+from rollout.runners.static_shape_runner import StaticShapeRunner
+
+
+class PrefillGraphRunner(StaticShapeRunner):
+    name = PREFILL
+    tag_runner = "prefill"
+    size_label = "tokens"
+
+    def extent(self, size: int) -> int:
+        return size
+
+    def make_inputs(self, size: int) -> StaticInputs:
+        return StaticInputs(tokens=size, device=self.device)
+
+    def pad_chunk(self, batch: Optional[Any]) -> int:
+        # padding requests no longer than the longest real one keep the attention grid small
+        return max(batch.extend_lens) if batch is not None else 1

@@ -1,0 +1,89 @@
+"""StaticShapeRunner: the part the decode and prefill graph runners share.
+
+A runner owns a sorted list of bucket sizes; each bucket has StaticInputs padded to its extent.
+A step picks a bucket (RunnerPlan), pads the batch to it, copies it into the bucket's buffers and
+executes through the backend (a CUDA graph replay, or a plain forward on CPU). The GatherLayout it
+returns is padded with the bucket's extent and is made here, by the runner that executes, from the
+same extent its buffers (and so its MoE gather) have: "graph runner executed" implies "padded
+extent known".
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+import torch
+
+from capture.gather_layout import GatherLayout
+from rollout.forward_batch import ForwardBatch
+from rollout.forward_output import ForwardOutput
+from rollout.kv_pool import KVPool
+from rollout.runners.capture_profiler import CaptureTag, GraphCaptureProfiler, Variant
+from rollout.runners.graph_backend import GraphBackend
+from rollout.runners.padded_batch import padded_forward_batch
+from rollout.runners.runner_plan import RunnerChoice
+from rollout.runners.static_inputs import StaticInputs
+
+
+class StaticShapeRunner:
+    name = ""            # GatherLayout.runner, e.g. "decode_graph"
+    tag_runner = ""      # capture tag prefix, e.g. "decode"
+    size_label = ""      # capture tag size label, e.g. "bs"
+
+    def __init__(self, *, sizes: tuple[int, ...], model: torch.nn.Module, kv_pool: KVPool, device: torch.device,
+                 backend: GraphBackend, dp_size: int = 1, capture_buffer: Optional[Any] = None,
+                 ep_group: Optional[Any] = None, tokens_per_step: int = 1):
+        assert sizes, "a static-shape runner needs at least one bucket"
+        self.sizes = tuple(sorted(sizes))
+        self.model = model
+        self.kv_pool = kv_pool
+        self.device = device
+        self.backend = backend
+        self.dp_size = dp_size
+        self.capture_buffer = capture_buffer
+        self.ep_group = ep_group
+        self.tokens_per_step = tokens_per_step
+        self.inputs = {size: self.make_inputs(size) for size in self.sizes}
+        self.active_variant: Variant = ()
+
+    # ---- per-runner shape rules ---------------------------------------------------------------
+    def extent(self, size: int) -> int:
+        """Tokens per rank in a forward of bucket `size` (its padded extent)."""
+        raise NotImplementedError
+
+    def make_inputs(self, size: int) -> StaticInputs:
+        raise NotImplementedError
+
+    def pad_chunk(self, batch: Optional[Any]) -> int:
+        """Most tokens per padding request."""
+        raise NotImplementedError
+
+    # ---- execution ---------------------------------------------------------------------------
+    def _batch(self, batch: Optional[Any], size: int, layout: GatherLayout) -> ForwardBatch:
+        fb = padded_forward_batch(batch, kv_pool=self.kv_pool, device=self.device, capture=self.capture_buffer,
+                                  pad_to=self.extent(size), pad_chunk=self.pad_chunk(batch))
+        fb = self.inputs[size].load(fb)
+        return dataclasses.replace(fb, layout=layout, ep_group=self.ep_group)
+
+    def forward(self, batch: Optional[Any], counts: tuple[int, ...], choice: RunnerChoice) -> ForwardOutput:
+        assert choice.runner == self.name and choice.size in self.inputs, (choice, self.name, self.sizes)
+        extent = self.extent(choice.size)
+        assert choice.extent == extent, (choice, extent)
+        layout = GatherLayout.padded(self.name, counts, extent=extent)
+        fb = self._batch(batch, choice.size, layout)
+        logits = self.backend.run((choice.size, self.active_variant), fb)
+        num = len(batch.reqs) if batch is not None else 0
+        logits = logits[:num].float()
+        if self.backend.uses_graphs:
+            logits = logits.clone()  # NOTE: the graph's output buffer is overwritten by the next replay
+        return ForwardOutput(logits=logits, layout=layout)
+
+    def capture(self, profiler: GraphCaptureProfiler, variants: list[Variant], rank: int) -> None:
+        """Captures every (bucket, variant), largest bucket first; one profiler trace per capture."""
+        for size in sorted(self.sizes, reverse=True):
+            for variant in variants:
+                layout = GatherLayout.padded(self.name, (0,) * self.dp_size, extent=self.extent(size))
+                fb = self._batch(None, size, layout)
+                tag = CaptureTag(self.tag_runner, self.size_label, size, variant, rank)
+                with profiler.capturing(tag):
+                    self.backend.capture((size, variant), fb, variant)

@@ -1,0 +1,197 @@
+"""DP attention (dp_size worker processes, expert parallel MoE): outputs and routed experts equal
+dp_size=1 and transformers, under uneven loads, mixed runners, abort/flush, and a crashing worker."""
+import os
+import random
+import signal
+import time
+
+import pytest
+import torch
+
+from capture.gather_layout import GatherLayout
+from oracle import hf_router_topk, same_sets
+from rollout import EngineDeadError, Rollout
+from rollout.config import DEFAULT_MODEL_PATH
+from rollout.runners import DECODE, EAGER, PREFILL
+
+GREEDY = {"temperature": 0.0, "max_new_tokens": 8, "ignore_eos": True}
+BUCKETS = dict(decode_graph_batch_sizes=(1, 2, 4), prefill_graph_token_sizes=(16, 32), chunked_prefill_size=48)
+
+
+def prompts(seed, lengths, vocab=256):
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(n)] for n in lengths]
+
+
+def make_engine(path, **kw):
+    kw.setdefault("dtype", "float32")
+    kw.setdefault("tokenizer_path", DEFAULT_MODEL_PATH)
+    return Rollout(str(path), enable_return_routed_experts=True, **kw)
+
+
+def generate(engine, batch, params, ranks=None, **kw):
+    return engine.generate(input_ids=batch, sampling_params=params, return_logprob=True, return_routed_experts=True,
+                           routed_dp_rank=ranks, **kw)
+
+
+def assert_same(outs, ref, path=None):
+    assert len(outs) == len(ref)
+    for out, r in zip(outs, ref):
+        assert out.output_ids == r.output_ids
+        diff = (torch.tensor(out.output_logprobs) - torch.tensor(r.output_logprobs)).abs().max().item()
+        assert diff <= 1e-5, diff
+        assert torch.equal(out.routed_experts, r.routed_experts)
+        if path is not None:
+            seq = out.prompt_ids + out.output_ids
+            want = hf_router_topk(path, seq[:-1], out.routed_experts.shape[2], out.routed_experts.shape[1])
+            assert same_sets(out.routed_experts, want)
+
+
+def layouts(engine) -> list[GatherLayout]:
+    per_rank = engine._call(lambda core: core.recent_layouts())
+    assert all(r == per_rank[0] for r in per_rank), "DP ranks disagree on a step's runner or layout"
+    return per_rank[0]
+
+
+@pytest.fixture(scope="module")
+def qwen3(tiny_checkpoint):
+    return tiny_checkpoint("qwen3_moe")
+
+
+@pytest.fixture(scope="module")
+def dp1(qwen3):
+    with make_engine(qwen3, chunked_prefill_size=48) as engine:
+        yield engine
+
+
+def test_dp2_uneven_loads_match_dp1(qwen3, dp1):
+    """Default suite: one rank idle while the other prefills, then uneven token counts; graph
+    buckets and eager steps mixed; outputs and routing as dp_size=1 and transformers."""
+    a = prompts(1, [5, 30, 60])                 # rank 0 only: rank 1 idle (60 > 48: chunked, eager)
+    b = prompts(2, [7, 3, 21, 12])              # uneven: rank 0 gets 7 + 21, rank 1 gets 3 + 12
+    b_ranks = [0, 1, 0, 1]
+    with make_engine(qwen3, dp_size=2, **BUCKETS) as engine:
+        outs_a = generate(engine, a, GREEDY, ranks=0)
+        outs_b = generate(engine, b, GREEDY, ranks=b_ranks)
+        steps = layouts(engine)
+        engine.check_integrity()
+        assert engine.flush_cache()
+        loads = engine.loads()
+    assert_same(outs_a, generate(dp1, a, GREEDY), qwen3)
+    assert_same(outs_b, generate(dp1, b, GREEDY), qwen3)
+    assert [row["dp_rank"] for row in loads] == [0, 1]
+    runners = {s.runner for s in steps}
+    assert runners == {DECODE, PREFILL, EAGER}
+    assert any(s.token_counts[1] == 0 and s.token_counts[0] > 1 for s in steps)          # rank 1 idle
+    assert any(0 < s.token_counts[0] != s.token_counts[1] > 0 for s in steps)           # uneven
+    assert any(x.runner == PREFILL and y.runner == DECODE for x, y in zip(steps, steps[1:]))
+
+
+@pytest.mark.slow
+def test_dp3_mixed_runners_and_least_load_dispatch(qwen3, dp1):
+    rng = random.Random(3)
+    long_ = prompts(3, [60])                     # rank 0: chunked prefill 24 + 24 + 12
+    short = prompts(4, [4, 9, 13, 2, 6])         # rank 1 decodes meanwhile; rank 2 idle
+    sampled = {"temperature": 1.0, "top_p": 0.9, "max_new_tokens": 6, "ignore_eos": True, "sampling_seed": 17,
+               "n": 3}
+    group = prompts(5, [11, 19])
+    with make_engine(qwen3, dp_size=3, decode_graph_batch_sizes=(2, 8), prefill_graph_token_sizes=(16,),
+                     chunked_prefill_size=24) as engine:
+        params = [dict(GREEDY, max_new_tokens=rng.randint(3, 12)) for _ in range(6)]
+        outs = generate(engine, long_ + short, params, ranks=[0, 1, 1, 1, 1, 1])
+        steps = layouts(engine)
+        before = [r["prompt_tokens"] for r in engine.stats()["dp_ranks"]]
+        outs_n = generate(engine, group, sampled)            # least load; each prompt's n stay together
+        owners = engine._call(lambda core: dict(core._owner))
+        assert owners == {}                                  # nothing left in flight
+        engine.check_integrity()
+        after = [r["prompt_tokens"] for r in engine.stats()["dp_ranks"]]
+    assert_same(outs, generate(dp1, long_ + short, params), qwen3)
+    assert_same(outs_n, generate(dp1, group, sampled), qwen3)
+    assert all(s.token_counts[2] == 0 for s in steps)
+    assert any(s.runner == EAGER and s.token_counts[:2] == (24, 24) for s in steps)
+    assert any(s.runner == PREFILL and s.token_counts[:2] == (12, 5) for s in steps)   # rank 1 decodes
+    assert {s.runner for s in steps} == {DECODE, PREFILL, EAGER}
+    # the n samples of a prompt ran on one rank (its prompt was prefilled once there)
+    added = [y - x for x, y in zip(before, after)]
+    assert sorted(x for x in added if x) == sorted([3 * 11, 3 * 19])
+
+
+@pytest.mark.slow
+def test_rank1_prefill_rows_before_and_after_decode_runner(qwen3, dp1):
+    """Failure class (1): DP rank 1, the prefill runner executing, with the decode runner (a) never
+    run yet and (b) run before with another batch size: rank 1's rows are right in every case."""
+    first = prompts(6, [20])
+    with make_engine(qwen3, dp_size=2, decode_graph_batch_sizes=(1, 2, 4), prefill_graph_token_sizes=(16, 32),
+                     chunked_prefill_size=16) as engine:
+        # (a) one prefill forward only (max_new_tokens=1: the token comes from prefill logits)
+        out_a = generate(engine, first, dict(GREEDY, max_new_tokens=1), ranks=1)
+        steps = layouts(engine)
+        assert steps and all(s.runner == PREFILL for s in steps)
+        assert steps[-1].token_counts == (0, 4) and steps[0].token_counts == (0, 16)
+        # decode runner with batch bucket 4 (rank 1: 3 requests, rank 0: 1)
+        mid = prompts(7, [5, 8, 6, 9])
+        out_mid = generate(engine, mid, dict(GREEDY, max_new_tokens=4), ranks=[1, 1, 1, 0])
+        # (b) rank 1 prefills a chunked 40-token prompt while rank 0 decodes 2 requests (batch 2)
+        late = prompts(8, [3, 4, 40])
+        params = [dict(GREEDY, max_new_tokens=12), dict(GREEDY, max_new_tokens=12), dict(GREEDY, max_new_tokens=1)]
+        out_b = generate(engine, late, params, ranks=[0, 0, 1])
+        steps = layouts(engine)
+        engine.check_integrity()
+    decode_steps = [s for s in steps if s.runner == DECODE]
+    assert any(s.padded_extent == 4 for s in decode_steps)
+    assert any(s.runner == PREFILL and s.token_counts == (2, 16) for s in steps)
+    assert_same(out_a, generate(dp1, first, dict(GREEDY, max_new_tokens=1)), qwen3)
+    assert_same(out_mid, generate(dp1, mid, dict(GREEDY, max_new_tokens=4)), qwen3)
+    assert_same(out_b, generate(dp1, late, params), qwen3)
+
+
+@pytest.mark.slow
+def test_abort_flush_and_integrity_reach_every_rank(qwen3):
+    batch = prompts(9, [6, 10])
+    with make_engine(qwen3, dp_size=2, **BUCKETS) as engine:
+        stream = engine.generate(input_ids=batch, sampling_params=dict(GREEDY, max_new_tokens=500),
+                                 return_routed_experts=True, stream=True, rid=["x0", "x1"], routed_dp_rank=[0, 1])
+        finals, seen = {}, 0
+        for chunk in stream:
+            seen += 1
+            if seen == 6:
+                assert not engine.flush_cache()            # requests in flight on both ranks
+                assert engine.abort_all() == 2
+            if chunk.finished:
+                finals[chunk.rid] = chunk.output
+        assert set(finals) == {"x0", "x1"}
+        engine.check_integrity()
+        assert engine.flush_cache()
+        single = engine.generate(input_ids=batch[:1], sampling_params=dict(GREEDY, max_new_tokens=300),
+                                 return_routed_experts=True, stream=True, rid="y", routed_dp_rank=1)
+        for i, chunk in enumerate(single):
+            if i == 3:
+                assert engine.abort("y")
+        last = chunk.output
+        engine.check_integrity()
+    for out in list(finals.values()) + [last]:
+        assert out.finish_reason == "abort" and 0 < len(out.output_ids) < 300
+        seq = out.prompt_ids + out.output_ids
+        want = hf_router_topk(qwen3, seq[:-1], out.routed_experts.shape[2], out.routed_experts.shape[1])
+        assert same_sets(out.routed_experts, want)
+
+
+@pytest.mark.slow
+def test_crashed_worker_fails_waiters_and_stops_cleanly(qwen3):
+    engine = make_engine(qwen3, dp_size=2)
+    victim = engine._core._procs[1]
+    others = [p for p in engine._core._procs if p is not victim]
+    stream = engine.generate(input_ids=prompts(10, [5, 6]), sampling_params=dict(GREEDY, max_new_tokens=500),
+                             stream=True, routed_dp_rank=[0, 1])
+    t0 = time.monotonic()
+    with pytest.raises(EngineDeadError, match="DP rank 1 exited with code -9"):
+        for i, _ in enumerate(stream):
+            if i == 4:
+                os.kill(victim.pid, signal.SIGKILL)
+                t0 = time.monotonic()
+    assert time.monotonic() - t0 < 60
+    with pytest.raises(EngineDeadError):
+        engine.generate(input_ids=[[5, 6]])
+    engine.shutdown()
+    assert not any(p.is_alive() for p in others)

@@ -1,0 +1,330 @@
+"""Static-shape runners (dp_size=1), graph-capture profiling names, capture-buffer sizing."""
+import json
+import os
+import random
+import re
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from capture.buffer_sizing import ForwardShapeLimits, capture_buffer_rows
+from capture.capturer import RoutedExpertsCapturer
+from capture.gather_layout import GatherLayout
+from oracle import hf_router_topk, same_sets
+from rollout import Rollout
+from rollout.config import DEFAULT_MODEL_PATH, EngineConfig
+from rollout.engine_core import EngineCore
+from rollout.kv_pool import SINK_SLOT, KVPool
+from rollout.model_runner import ModelRunner
+from rollout.models.moe import FusedExperts
+from rollout.radix_cache import RadixCache
+from rollout.request import Req, ReqState
+from rollout.runners import DECODE, EAGER, PREFILL, RankShape, RunnerPlan
+from rollout.sampling_params import SamplingParams
+from rollout.scheduler import Scheduler
+
+GREEDY = {"temperature": 0.0, "max_new_tokens": 10, "ignore_eos": True}
+BUCKETS = dict(decode_graph_batch_sizes=(1, 2, 4), prefill_graph_token_sizes=(16, 32), chunked_prefill_size=48)
+
+
+def prompts(seed, lengths, vocab=256):
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(n)] for n in lengths]
+
+
+def make_engine(path, **kw):
+    kw.setdefault("dtype", "float32")
+    kw.setdefault("tokenizer_path", DEFAULT_MODEL_PATH)
+    return Rollout(str(path), enable_return_routed_experts=True, **kw)
+
+
+def assert_same_outputs(outs, ref, atol=1e-5):
+    for out, r in zip(outs, ref, strict=True):
+        assert out.output_ids == r.output_ids
+        diff = (torch.tensor(out.output_logprobs) - torch.tensor(r.output_logprobs)).abs().max().item()
+        assert diff <= atol, diff
+        assert torch.equal(out.routed_experts, r.routed_experts)
+
+
+def check_rows(path, out):
+    seq = out.prompt_ids + out.output_ids
+    ref = hf_router_topk(path, seq[:-1], out.routed_experts.shape[2], out.routed_experts.shape[1])
+    assert same_sets(out.routed_experts, ref)
+
+
+# ---- static-shape runners against eager ------------------------------------------------------
+
+def test_static_runners_match_eager_and_pad_only_into_sink(tiny_checkpoint):
+    path = tiny_checkpoint("qwen3_moe")
+    # 1..3-token prompts, 9..31 (prefill buckets), 40..90 (chunked at 48: eager and bucket chunks);
+    # 7 requests decode through the prefill runner (batch > 4) and then decode buckets 4, 2, 1
+    # round 1: 191 prompt tokens in chunks of 48 (eager); 7 requests decode through the prefill
+    # runner (batch > 4), then through decode buckets 4, 2, 1. Round 2: a 25-token prefill (bucket 32).
+    rounds = [(prompts(1, [3, 9, 17, 31, 40, 90, 1]), [dict(GREEDY, max_new_tokens=m) for m in (12, 3, 6, 9, 14, 5, 2)]),
+              (prompts(2, [25]), [GREEDY])]
+    with make_engine(path, chunked_prefill_size=48) as engine:
+        ref = [o for batch, params in rounds for o in engine.generate(
+            input_ids=batch, sampling_params=params, return_logprob=True, return_routed_experts=True)]
+    with make_engine(path, **BUCKETS) as engine:
+        outs = [o for batch, params in rounds for o in engine.generate(
+            input_ids=batch, sampling_params=params, return_logprob=True, return_routed_experts=True)]
+        engine.check_integrity()
+        stats = engine.stats()
+
+        def kv_outside_allocated(core):
+            # slots are handed out from 1 upwards (freed ones first again), so none above the
+            # number of tokens ever given a slot was ever allocated
+            high = core.stats["prompt_tokens"] + core.stats["generated_tokens"]
+            k = core.kv_pool.k_buffers[0]
+            assert SINK_SLOT not in core.cache.all_slots()     # the sink is never handed out
+            return (k[high + 1:].abs().sum().item(), k[SINK_SLOT].abs().sum().item(),
+                    [(lay.runner, lay.padded_extent) for lay in core.recent_layouts()])
+
+        untouched, sink, layouts = engine._call(kv_outside_allocated)
+    assert_same_outputs(outs, ref)
+    for out in outs:
+        check_rows(path, out)
+    assert stats["forwards_decode_graph"] > 0 and stats["forwards_prefill_graph"] > 0 and stats["forwards_eager"] > 0
+    # every padding token wrote its KV into the sink slot and nowhere else
+    assert untouched == 0 and sink > 0
+    assert {(DECODE, 1), (DECODE, 2), (DECODE, 4), (PREFILL, 16), (PREFILL, 32), (EAGER, None)} <= set(layouts)
+
+
+def _run_core(core, batch, params):
+    outs = {}
+    for i, (ids, p) in enumerate(zip(batch, params)):
+        req = Req(rid=str(i), prompt_ids=ids, params=SamplingParams(**p), seed=i, return_logprob=True,
+                  return_routed_experts=True, max_total_len=core.context_length)
+        req.sink = lambda o: outs.__setitem__(o.rid, o)
+        core.add_request(req)
+    while core.has_work():
+        core.step()
+    core.check_integrity()
+    return [outs[str(i)] for i in range(len(batch))]
+
+
+def test_static_attention_grid_matches_trimmed(tiny_checkpoint):
+    """The decode runner's full static grid (what a CUDA graph replays) gives the trimmed grid's outputs."""
+    path = tiny_checkpoint("olmoe")
+    cfg = EngineConfig(model_path=str(path), tokenizer_path=DEFAULT_MODEL_PATH, dtype="float32",
+                       enable_return_routed_experts=True, decode_graph_batch_sizes=(2, 4), context_length=96)
+    batch = prompts(2, [5, 30, 11])
+    params = [dict(GREEDY, max_new_tokens=8)] * 3
+    trimmed = _run_core(EngineCore(cfg), batch, params)
+    core = EngineCore(cfg)
+    core.runner = ModelRunner(model=core.model, kv_pool=core.kv_pool, device=core.device,
+                              limits=core.forward_shape_limits, capture_buffer=core.capturer.buffer,
+                              seq_capacity=core.context_length, static_grid=True)
+    assert core.runner.runners[DECODE].inputs[4].static_grid
+    static = _run_core(core, batch, params)
+    assert core.runner.counts[DECODE] > 0
+    assert_same_outputs(static, trimmed)
+
+
+@pytest.mark.gpu
+def test_cuda_graph_decode_matches_eager(tiny_checkpoint):
+    """On a GPU the decode buckets replay CUDA graphs (static grid, dense MoE path)."""
+    path = tiny_checkpoint("qwen3_moe")
+    batch = prompts(3, [4, 19, 33])
+    with make_engine(path, device="cuda") as engine:
+        ref = engine.generate(input_ids=batch, sampling_params=GREEDY, return_logprob=True, return_routed_experts=True)
+    with make_engine(path, device="cuda", decode_graph_batch_sizes=(1, 2, 4)) as engine:
+        assert engine._call(lambda core: core.runner.runners[DECODE].backend.uses_graphs)
+        outs = engine.generate(input_ids=batch, sampling_params=GREEDY, return_logprob=True, return_routed_experts=True)
+        engine.check_integrity()
+        assert engine.stats()["forwards_decode_graph"] > 0
+    for out, r in zip(outs, ref):
+        assert out.output_ids == r.output_ids and torch.equal(out.routed_experts, r.routed_experts)
+        assert max(abs(a - b) for a, b in zip(out.output_logprobs, r.output_logprobs)) < 1e-4
+
+
+def test_dense_moe_path_matches_sparse():
+    """The graph-safe (no host sync) expert path equals the sparse one, over any expert range."""
+    torch.manual_seed(0)
+    experts = FusedExperts(hidden_size=16, intermediate_size=8, num_experts=6)
+    with torch.no_grad():
+        experts.w13.normal_()
+        experts.w2.normal_()
+    x = torch.randn(11, 16)
+    ids = torch.stack([torch.randperm(6)[:2] for _ in range(11)])
+    w = torch.rand(11, 2)
+    for rng in (None, (0, 3), (3, 6), (2, 2)):
+        sparse = experts(x, w, ids, experts=rng)
+        dense = experts(x, w, ids, experts=rng, dense=True)
+        assert torch.allclose(sparse, dense, atol=1e-5), rng
+    parts = experts(x, w, ids, experts=(0, 3)) + experts(x, w, ids, experts=(3, 6))
+    assert torch.allclose(parts, experts(x, w, ids), atol=1e-5)
+
+
+def test_routed_dp_rank_validated(tiny_checkpoint):
+    with make_engine(tiny_checkpoint("qwen3_moe")) as engine:
+        assert engine.generate(input_ids=[[5, 6]], sampling_params={"max_new_tokens": 1}, routed_dp_rank=0)
+        with pytest.raises(ValueError, match="routed_dp_rank"):
+            engine.generate(input_ids=[[5, 6]], routed_dp_rank=1)
+
+
+# ---- graph-capture profiling --------------------------------------------------------------------
+
+_TRACE_NAME = re.compile(r"^(decode|prefill)_(bs|tokens)(\d+)((?:_[A-Za-z0-9]+-[A-Za-z0-9.]+)*)_rank(\d+)\.json$")
+
+
+def _trace_facts(path):
+    events = json.load(open(path))["traceEvents"]
+    embed = [e["args"]["Input Dims"] for e in events if e.get("name") == "aten::embedding"]
+    sdpa = [e["args"]["Input Dims"] for e in events if e.get("name") == "aten::scaled_dot_product_attention"]
+    spans = [e["name"] for e in events if e.get("name", "").startswith(("graph_variant[", "graph_capture["))]
+    return embed, sdpa, spans
+
+
+def test_profile_graph_capture_one_trace_per_shape(tmp_path):
+    axes = {"lora": ("a", "b"), "attn": ("x", "y", "z")}
+    out = tmp_path / "traces"
+    cfg = EngineConfig(dtype="float32", decode_graph_batch_sizes=(8,), prefill_graph_token_sizes=(16,),
+                       enable_profile_graph_capture=True, profile_graph_capture_dir=str(out),
+                       graph_variant_axes=axes, max_total_tokens=256)
+    EngineCore(cfg)
+    names = sorted(os.listdir(out))
+    assert len(names) == 2 * 2 * 3 == len(set(names))
+    seen = set()
+    for name in names:
+        m = _TRACE_NAME.match(name)
+        assert m, name
+        runner, _, size, variant, rank = m.group(1), m.group(2), int(m.group(3)), m.group(4), m.group(5)
+        values = dict(v.split("-") for v in variant.strip("_").split("_"))
+        assert set(values) == set(axes) and rank == "0"
+        seen.add((runner, size, values["lora"], values["attn"]))
+        embed, sdpa, spans = _trace_facts(out / name)
+        # the traced forward ran exactly the shape the name says: size tokens (decode: size
+        # requests of one query each), under the variant span the name says
+        assert embed and all(dims[1] == [size] for dims in embed), (name, embed)
+        if runner == "decode":
+            assert sdpa and all(d[0][0] == size and d[0][2] == 1 for d in sdpa), (name, sdpa)
+        assert f"graph_capture[{name[:-5]}]" in spans
+        assert f"graph_variant[lora={values['lora']},attn={values['attn']}]" in spans
+    assert seen == {(r, s, a, b) for r, s in (("decode", 8), ("prefill", 16))
+                    for a in axes["lora"] for b in axes["attn"]}
+
+
+def test_profile_graph_capture_plain_names_without_axes(tmp_path):
+    cfg = EngineConfig(dtype="float32", decode_graph_batch_sizes=(1, 4), prefill_graph_token_sizes=(32,),
+                       enable_profile_graph_capture=True, profile_graph_capture_dir=str(tmp_path),
+                       max_total_tokens=256)
+    EngineCore(cfg)
+    assert sorted(os.listdir(tmp_path)) == ["decode_bs1_rank0.json", "decode_bs4_rank0.json",
+                                            "prefill_tokens32_rank0.json"]
+
+
+# ---- capture buffer sizing (invariant 1) and rank-correct slicing (invariant 2) -------------------
+
+def _scheduler_shapes(limits: ForwardShapeLimits, seed: int, num_slots: int, n_reqs: int):
+    """Per-step RankShapes a real Scheduler issues for a random workload (no model: tokens are random)."""
+    rng = random.Random(seed)
+    pool = KVPool(num_slots=num_slots, num_layers=1, num_kv_heads=1, head_dim=2, dtype=torch.float32)
+    cache = RadixCache(pool, enabled=rng.random() < 0.5)
+    sched = Scheduler(kv_pool=pool, cache=cache, max_running_requests=limits.max_running_requests,
+                      prefill_token_budget=limits.chunked_prefill_tokens)
+    for i in range(n_reqs):
+        new = rng.randint(1, 12)
+        prompt = [rng.randrange(3, 50) for _ in range(rng.randint(1, max(1, num_slots - new - 1)))]
+        sched.add(Req(rid=str(i), prompt_ids=prompt, params=SamplingParams(max_new_tokens=new), seed=i))
+    shapes = []
+    for _ in range(2000):
+        batch = sched.schedule()
+        if batch is None:
+            break
+        shapes.append(RankShape.of(batch))
+        for i, req in enumerate(batch.reqs):
+            if batch.is_prefill:
+                sched.cache_unfinished(req)
+            if batch.completes(i):
+                req.output_ids.append(rng.randrange(3, 50))
+                if len(req.output_ids) >= req.params.max_new_tokens:
+                    sched.remove(req)
+                    req.state = ReqState.FINISHED
+    sched.check_integrity()
+    return shapes
+
+
+bucket_lists = st.lists(st.integers(1, 96), max_size=4, unique=True).map(lambda xs: tuple(sorted(xs)))
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(dp=st.integers(1, 4), decode=bucket_lists, prefill=bucket_lists, chunk=st.integers(1, 80),
+       max_running=st.integers(1, 24), seed=st.integers(0, 2**16), num_slots=st.integers(16, 160))
+def test_every_scheduled_forward_fits_the_capture_buffer(dp, decode, prefill, chunk, max_running, seed, num_slots):
+    limits = ForwardShapeLimits(dp_size=dp, max_running_requests=max_running, chunked_prefill_tokens=chunk,
+                                decode_graph_batch_sizes=decode, prefill_graph_token_sizes=prefill)
+    rows = capture_buffer_rows(limits)
+    plan = RunnerPlan(limits)
+    plan.check_capture_fits(rows)
+    # each rank runs its own scheduler; a step combines one shape from each (idle ranks included)
+    per_rank = [_scheduler_shapes(limits, seed + r, num_slots, n_reqs=6) for r in range(dp)]
+    steps = max(len(s) for s in per_rank)
+    for t in range(steps):
+        shapes = [s[t] if t < len(s) else RankShape.of(None) for s in per_rank]
+        for shape in shapes:
+            assert shape.num_tokens <= limits.max_tokens_per_rank
+        choice = plan.choose(shapes)
+        if choice is None:
+            continue
+        layout = plan.layout(choice, shapes)
+        assert layout.total_rows <= rows, (layout, rows)
+        if choice.runner != EAGER:
+            assert layout.padded_extent == choice.extent
+            assert choice.runner != DECODE or all(s.all_single for s in shapes)
+        spans = [layout.rank_span(r) for r in range(dp)]
+        for r in range(dp):
+            lo, hi = layout.rank_rows(r)
+            assert spans[r][0] == lo <= hi <= spans[r][1] <= rows and hi - lo == shapes[r].num_tokens
+            assert r == 0 or spans[r - 1][1] <= lo
+    # a buffer one row short of the largest forward is refused, naming the values
+    worst = max(plan.max_gathered_rows().values())
+    with pytest.raises(ValueError, match=rf"dp_size={dp} .*max_running_requests={max_running}"):
+        plan.check_capture_fits(worst - 1)
+    # the sizing other engines used, max(chunk, max_running) x dp, forgets the prefill graph's tokens
+    legacy = dp * max(chunk, max_running)
+    if prefill and prefill[-1] > max(chunk, max_running, max(decode, default=0)):
+        with pytest.raises(ValueError, match="prefill_graph_token_sizes max"):
+            plan.check_capture_fits(legacy)
+
+
+def test_config_that_cannot_fit_is_rejected_at_startup():
+    kw = dict(dtype="float32", enable_return_routed_experts=True, dp_size=1, max_running_requests=8,
+              chunked_prefill_size=64, decode_graph_batch_sizes=(4, 16), prefill_graph_token_sizes=(128,),
+              max_total_tokens=256)
+    rows = capture_buffer_rows(ForwardShapeLimits(dp_size=1, max_running_requests=8, chunked_prefill_tokens=64,
+                                                  decode_graph_batch_sizes=(4, 16), prefill_graph_token_sizes=(128,)))
+    assert rows == 128
+    with pytest.raises(ValueError) as err:
+        EngineCore(EngineConfig(max_capture_buffer_rows=rows - 1, **kw))
+    msg = str(err.value)
+    for part in ("needs 128 rows", "dp_size=1", "decode_graph_batch_sizes max 16", "prefill_graph_token_sizes max 128",
+                 "chunked prefill tokens per rank 64", "max_running_requests=8", "max_capture_buffer_rows=127"):
+        assert part in msg, (part, msg)
+    core = EngineCore(EngineConfig(max_capture_buffer_rows=rows, **kw))
+    assert core.capturer.buffer.rows == rows
+
+
+def test_capturer_slices_the_executing_runners_rows():
+    """Failure class (1), unit level: rank 1 commits exactly its rows under whatever layout ran."""
+    limits = ForwardShapeLimits(dp_size=2, max_running_requests=8, chunked_prefill_tokens=64,
+                                decode_graph_batch_sizes=(4, 8), prefill_graph_token_sizes=(64,))
+    cap = RoutedExpertsCapturer(limits=limits, num_slots=300, num_layers=2, top_k=2, num_experts=200,
+                                moe_layer_ids=(0, 1), dp_rank=1)
+    rows = cap.buffer.rows
+    tagged = torch.arange(rows, dtype=torch.int32)[:, None, None].expand(rows, 2, 2) % 200
+    layouts = [GatherLayout.padded(PREFILL, (0, 5), extent=64),     # decode runner never ran
+               GatherLayout.padded(DECODE, (3, 7), extent=8),       # decode ran with batch 8
+               GatherLayout.padded(PREFILL, (2, 9), extent=64),     # prefill again after decode
+               GatherLayout.packed(EAGER, (4, 6))]
+    slot = 1
+    for layout in layouts:
+        cap.buffer.buffer.copy_(tagged)
+        n = layout.token_counts[1]
+        slots = torch.arange(slot, slot + n)
+        cap.commit(layout, slots)
+        start = layout.padded_extent if layout.padded_extent is not None else layout.token_counts[0]
+        assert cap.store.gather(slots)[:, 0, 0].tolist() == list(range(start, start + n)), layout
+        slot += n
