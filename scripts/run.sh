@@ -6,4 +6,6 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 bash scripts/setup_env.sh ""
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-exec .venv/bin/python scripts/demo.py "$@"
+.venv/bin/python scripts/demo.py "$@"
+echo
+bash scripts/serve_demo.sh
