@@ -109,14 +109,16 @@ def engine_decode_overhead(model_path: str, bsz: int, prompt_len: int, new: int,
                              seed=i, return_routed_experts=capture, max_total_len=core.context_length))
     while core.scheduler.waiting:
         core.step()
-    step_times = []
+    step_times, bare_times = [], []
     while core.has_work():
+        ctx = core.scheduler.running[0].kv_len if core.scheduler.running else prompt_len
         t0 = time.perf_counter()
         core.step()
         step_times.append(time.perf_counter() - t0)
-    ctxs = list(range(prompt_len + 1, prompt_len + new, max(1, new // 8)))
-    bare = statistics.mean(bare_forward_time(core, bsz, c, 5) for c in ctxs)
+        if core.scheduler.running:   # NOTE: interleaved, so background load hits both alike
+            bare_times.append(bare_forward_time(core, bsz, ctx, 1))
     step = statistics.median(step_times)
+    bare = statistics.median(bare_times)
     return {"batch": bsz, "capture": capture, "step_ms": step * 1e3, "bare_forward_ms": bare * 1e3,
             "overhead": 1 - bare / step}
 
