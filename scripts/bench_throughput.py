@@ -185,7 +185,7 @@ def main(argv=None) -> None:
     print("\n| engine decode step, batch 64 | step ms | model forward ms | engine overhead |")
     print("|---|---|---|---|")
     for r in res["decode_overhead"]:
-        print(f"| capture {'on' if r['capture'] else 'off'} | {r['step_ms']:.2f} | {r["model_forward_ms"]:.2f} | "
+        print(f"| capture {'on' if r['capture'] else 'off'} | {r['step_ms']:.2f} | {r['model_forward_ms']:.2f} | "
               f"{100 * r['overhead']:.1f}% |")
     import bench_wire
 
