@@ -133,3 +133,11 @@ class EngineConfig:
         if not self.enable_profile_graph_capture:
             return None
         return self.profile_graph_capture_dir or os.path.join(os.getcwd(), "graph_capture_profile")
+
+
+if __name__ == "__main__":
+    import sys
+
+    from rollout.config_file import main
+
+    sys.exit(main())
