@@ -26,13 +26,14 @@ def _fmix32(h: torch.Tensor) -> torch.Tensor:
 
 
 def counter_uniform(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
-    """Uniform(0, 1) noise [B, vocab] from (seed [B], position [B], token id)."""
+    """Uniform(0, 1) noise [B, vocab] float32 from (seed [B], position [B], token id)."""
     lo, hi = seeds & _M32, (seeds >> 32) & _M32
-    tok = torch.arange(vocab, dtype=torch.int64)[None, :]
-    h = _fmix32(tok * 0x9E3779B1 & _M32 ^ _fmix32(positions[:, None] & _M32))
-    h = _fmix32(h ^ lo[:, None])
-    h = _fmix32((h + hi[:, None] * 0x27D4EB2F) & _M32)
-    return (h.to(torch.float64) + 0.5) / 4294967296.0
+    row = _fmix32(_fmix32(positions & _M32) ^ lo)                              # [B]
+    row = _fmix32((row + hi * 0x27D4EB2F) & _M32)[:, None]                     # [B, 1]
+    tok = (torch.arange(vocab, dtype=torch.int64) * 0x9E3779B1) & _M32         # [vocab]
+    h = _fmix32(tok[None, :] ^ row)                                            # [B, vocab]
+    # NOTE: 24 bits, so (h + 0.5) / 2^24 is exact in float32 and never 0 or 1.
+    return ((h >> 8).to(torch.float32) + 0.5) * (1.0 / 16777216.0)
 
 
 @dataclass(frozen=True)
@@ -110,7 +111,7 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams], seeds: Sequen
         u = counter_uniform(torch.tensor(list(seeds), dtype=torch.int64),
                             torch.tensor(list(positions), dtype=torch.int64), vocab)
         # exponential race: argmax p / E with E ~ Exp(1) samples from p exactly (Gumbel-max).
-        race = processed_lp.double() - torch.log(-torch.log(u))
+        race = processed_lp - torch.log(-torch.log(u))
         next_ids = torch.where(greedy, torch.argmax(logits, dim=-1), torch.argmax(race, dim=-1))
     modes = {p.logprob_mode for p in params}
     per_mode = {}
