@@ -1,0 +1,138 @@
+"""Start ``rollout-serve`` subprocesses on free loopback ports for a training run (or a test).
+
+``LocalServers(n, flags)`` starts ``n`` servers concurrently (``--port 0``: each server binds a free
+port and prints it), waits for ``/health`` and stops them on ``close()`` (SIGTERM, then SIGKILL of
+the process group). Logs go to files under ``log_dir``.
+"""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Optional, Sequence
+
+import httpx
+
+__all__ = ["LocalServer", "LocalServers"]
+
+_LISTENING = re.compile(r"rollout-serve listening on (http://\S+)")
+_ROOT = Path(__file__).resolve().parent.parent
+
+
+def _serve_command() -> list[str]:
+    exe = Path(sys.executable).parent / "rollout-serve"
+    return [str(exe)] if exe.exists() else [sys.executable, "-m", "rollout.server"]
+
+
+class LocalServer:
+    def __init__(self, flags: Sequence[str], log_path: Path, *, env: Optional[dict] = None):
+        self.flags = list(flags)
+        self.log_path = Path(log_path)
+        self.env = env
+        self.url = ""
+        self.proc: Optional[subprocess.Popen] = None
+        self._log = None
+
+    def spawn(self) -> None:
+        env = dict(os.environ)
+        env["PYTHONPATH"] = str(_ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+        env.setdefault("TOKENIZERS_PARALLELISM", "false")
+        env.setdefault("HF_HUB_OFFLINE", "1")
+        env.setdefault("OMP_NUM_THREADS", "1")
+        env.update(self.env or {})
+        self._log = open(self.log_path, "w")
+        cmd = _serve_command() + ["--host", "127.0.0.1", "--port", "0"] + self.flags
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, cwd=str(_ROOT), env=env,
+                                     start_new_session=True)
+
+    def log(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def poll_ready(self) -> bool:
+        """True once /health answers; RuntimeError if the process exited."""
+        if self.proc.poll() is not None:
+            raise RuntimeError(f"rollout-serve exited with {self.proc.returncode}:\n{self.log()[-3000:]}")
+        if not self.url:
+            m = _LISTENING.search(self.log())
+            if not m:
+                return False
+            self.url = m.group(1)
+        try:
+            return httpx.get(self.url + "/health", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def kill(self) -> None:
+        """SIGKILL the server (simulates a crash)."""
+        if self.alive:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+
+    def stop(self, timeout: float = 20.0) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(5)
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+
+class LocalServers:
+    """``n`` local ``rollout-serve`` processes with the same ``flags``; ``.urls`` once started."""
+
+    def __init__(self, n: int, flags: Sequence[str], *, log_dir: Optional[str] = None,
+                 startup_timeout: float = 300.0, env: Optional[dict] = None):
+        if n < 1:
+            raise ValueError(f"need at least one server, got {n}")
+        self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="rollout-servers-"))
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.servers = [LocalServer(flags, self.log_dir / f"server{i}.log", env=env) for i in range(n)]
+        self.startup_timeout = startup_timeout
+
+    @property
+    def urls(self) -> list[str]:
+        return [s.url for s in self.servers]
+
+    def start(self) -> "LocalServers":
+        try:
+            for s in self.servers:
+                s.spawn()
+            deadline = time.monotonic() + self.startup_timeout
+            pending = list(self.servers)
+            while pending:
+                pending = [s for s in pending if not s.poll_ready()]
+                if pending and time.monotonic() > deadline:
+                    raise RuntimeError(f"rollout-serve did not become healthy in {self.startup_timeout}s:\n"
+                                       + pending[0].log()[-3000:])
+                if pending:
+                    time.sleep(0.1)
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def close(self) -> None:
+        for s in self.servers:
+            s.stop()
+
+    def __enter__(self) -> "LocalServers":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,344 @@
+"""GRPO with rollout routing replay: ``python -m trainer_bridge.train --config configs/train/tiny.yaml``.
+
+One step: sample ``samples_per_prompt`` responses for each of ``prompts_per_step`` prompts from the
+rollout servers (``RolloutClient``: token ids in, routing ``[T-1, L, K]`` out), reward them, compute
+group-normalised advantages, train the trainer's copy of the model (transformers'
+``AutoModelForCausalLM`` from the same checkpoint, wrapped by ``deepspeed.initialize`` with a torch
+AdamW and the configured ZeRO stage) with the PPO-clip loss under ``RouterReplay(mode="replay")``,
+then push the new weights to every server (``weight_sync``); the next rollouts carry the new
+``weight_version``.
+
+Metrics per step (wandb, offline by default, and printed): routing mismatch rate (share of
+token x MoE-layer rows where the experts the trainer's forward *used* differ from the rollout's;
+read from the expert modules' inputs, so 0 under replay is measured, not assumed), replay replace
+rate (the trainer router's own top-k vs the replayed set), train/rollout log-prob abs diff, k3 KL,
+F(tau=2), reward mean, response length; with ``compare_no_replay`` the same agreement metrics of a
+live-routing forward over the same rollouts at the same weights (``no_replay/...``); and the
+held-out reward (greedy) every ``eval_every`` steps.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import importlib
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+
+from .client import RolloutClient
+from .data import PromptStream, load_prompts, write_task_files
+from .launch import LocalServers
+from .losses import grpo_advantages
+from .metrics import step_metrics
+from .policy_trainer import PolicyTrainer
+from .sample import Sample
+from .train_config import TrainConfig, load_train_config
+from .weight_sync import make_weight_sync
+
+__all__ = ["PolicyTrainer", "TrainResult", "Hooks", "run", "run_async", "main", "load_reward"]
+
+
+# ---- reward ------------------------------------------------------------------------------------
+def load_reward(spec: str) -> Callable[[str, dict], float]:
+    """``"module:function"`` -> the callable ``f(response_text, record) -> float``."""
+    mod, _, fn = spec.partition(":")
+    try:
+        f = getattr(importlib.import_module(mod), fn)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"reward: cannot load {spec!r}: {exc}") from None
+    if not callable(f):
+        raise ValueError(f"reward: {spec!r} is not callable")
+    return f
+
+
+# ---- the loop ----------------------------------------------------------------------------------
+@dataclass
+class Hooks:
+    """Test/diagnostic callbacks: ``on_sample(step, sample)`` as each rollout arrives,
+    ``on_step(step, metrics)`` after each step."""
+    on_sample: Optional[Callable[[int, Sample], None]] = None
+    on_step: Optional[Callable[[int, dict], None]] = None
+
+
+@dataclass
+class TrainResult:
+    history: list[dict] = field(default_factory=list)
+    evals: list[tuple[int, float]] = field(default_factory=list)  # (step, held-out reward mean)
+    samples_per_step: list[list[Sample]] = field(default_factory=list)
+    client_loads: dict = field(default_factory=dict)
+    wall_s: float = 0.0
+
+    def summary(self) -> dict:
+        def mean(key, rows=None):
+            vals = [h[key] for h in (rows or self.history) if key in h and h[key] is not None]
+            return sum(vals) / len(vals) if vals else float("nan")
+        out = {"steps": len(self.history), "wall_s": self.wall_s}
+        if self.evals:
+            out["eval_reward_first"] = self.evals[0][1]
+            out["eval_reward_last"] = self.evals[-1][1]
+        for k in ("reward_mean", "routing_mismatch_rate", "no_replay/routing_mismatch_rate",
+                  "train_rollout_logprob_abs_diff", "no_replay/train_rollout_logprob_abs_diff", "k3_kl",
+                  "no_replay/k3_kl", "f_tau2", "no_replay/f_tau2", "rollout_s", "train_s", "sync_s",
+                  "bytes_per_sample"):
+            out[f"mean/{k}"] = mean(k)
+        return out
+
+
+def _table(result: TrainResult) -> str:
+    cols = [("step", "step", "{:d}"), ("reward", "reward_mean", "{:.3f}"), ("eval", "eval_reward", "{:.3f}"),
+            ("len", "response_length_mean", "{:.2f}"), ("mismatch", "routing_mismatch_rate", "{:.4f}"),
+            ("mism(noR)", "no_replay/routing_mismatch_rate", "{:.4f}"),
+            ("|dlp|", "train_rollout_logprob_abs_diff", "{:.4f}"),
+            ("|dlp|(noR)", "no_replay/train_rollout_logprob_abs_diff", "{:.4f}"),
+            ("k3", "k3_kl", "{:.2e}"), ("k3(noR)", "no_replay/k3_kl", "{:.2e}"),
+            ("F2", "f_tau2", "{:.4f}"), ("F2(noR)", "no_replay/f_tau2", "{:.4f}"),
+            ("rollout_s", "rollout_s", "{:.2f}"), ("train_s", "train_s", "{:.2f}"), ("sync_s", "sync_s", "{:.3f}"),
+            ("ver", "weight_version", "{}")]
+    rows = [[h for h, _, _ in cols]]
+    for rec in result.history:
+        row = []
+        for _, key, fmt in cols:
+            v = rec.get(key)
+            row.append("-" if v is None or (isinstance(v, float) and math.isnan(v)) else fmt.format(v))
+        rows.append(row)
+    widths = [max(len(r[i]) for r in rows) for i in range(len(cols))]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+class _Wandb:
+    def __init__(self, config: TrainConfig):
+        self.run = None
+        if config.wandb_mode == "disabled":
+            return
+        try:
+            import wandb
+        except ImportError:
+            return
+        os.environ.setdefault("WANDB_SILENT", "true")
+        os.environ.setdefault("WANDB_CONSOLE", "off")
+        self.run = wandb.init(project=config.wandb_project, mode=config.wandb_mode, dir=config.run_dir,
+                              config=config.to_dict(), reinit="finish_previous")
+
+    def log(self, metrics: dict, step: int) -> None:
+        if self.run is not None:
+            self.run.log({k: v for k, v in metrics.items() if isinstance(v, (int, float))}, step=step)
+
+    def finish(self, summary: dict) -> None:
+        if self.run is not None:
+            for k, v in summary.items():
+                self.run.summary[k] = v
+            self.run.finish()
+
+
+def _server_flags(config: TrainConfig) -> list[str]:
+    return ["--model-path", config.model_path, "--enable-return-routed-experts", "--dtype", config.server_dtype,
+            "--weight-version", "0", "--kv-cache-bytes", str(config.server_kv_cache_bytes),
+            "--allowed-weight-dirs", str(Path(config.resolved_sync_dir).resolve()), "--seed", str(config.seed),
+            "--log-level", "warning",
+            *(["--api-key", config.api_key] if config.api_key else []),
+            *(["--admin-api-key", config.admin_api_key] if config.admin_api_key else []),
+            *config.server_flags]
+
+
+def _quiet_libraries() -> None:
+    """Only the loop's own progress bar: no per-load bars from datasets / transformers."""
+    with contextlib.suppress(Exception):
+        import datasets
+        datasets.disable_progress_bars()
+    with contextlib.suppress(Exception):
+        from transformers.utils import logging as hf_logging
+        hf_logging.disable_progress_bar()
+
+
+async def _evaluate(client: RolloutClient, prompts: list[list[int]], records: list[dict], reward_fn, decode,
+                    config: TrainConfig, tag: str) -> float:
+    if not prompts:
+        return float("nan")
+    samples = await client.generate_groups(prompts, 1, {"temperature": 0.0, "max_new_tokens":
+                                                        config.eval_max_new_tokens}, rid_prefix=f"eval-{tag}-")
+    return sum(reward_fn(decode(s.response_ids.tolist()), r) for s, r in zip(samples, records)) / len(samples)
+
+
+async def run_async(config: TrainConfig, *, hooks: Optional[Hooks] = None, servers: Optional[LocalServers] = None,
+                    log: Callable[[str], None] = print) -> TrainResult:
+    """The GRPO loop; ``servers`` (already started) are used when given, else ``config.server_urls``,
+    else ``config.num_servers`` local servers are started (and stopped at the end)."""
+    from transformers import AutoTokenizer
+    from tqdm.auto import tqdm
+
+    hooks = hooks or Hooks()
+    t_start = time.perf_counter()
+    _quiet_libraries()
+    run_dir = Path(config.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.json").write_text(json.dumps(config.to_dict(), indent=2, default=str))
+    (run_dir / "metrics.jsonl").write_text("")  # one run per run_dir: start the file afresh
+    torch.manual_seed(config.seed)
+    tok = AutoTokenizer.from_pretrained(config.model_path)
+    eos_id = tok.eos_token_id
+    decode = lambda ids: tok.decode(ids, skip_special_tokens=True)  # noqa: E731
+    reward_fn = load_reward(config.reward)
+
+    # data
+    if config.task == "arithmetic" and not config.train_files:
+        train_files, eval_files = write_task_files(run_dir / "data", seed=config.seed,
+                                                   num_train=config.num_train_prompts,
+                                                   num_eval=max(config.num_eval_prompts, 1))
+        train_files, eval_files = [str(train_files)], [str(eval_files)]
+    else:
+        train_files, eval_files = list(config.train_files), list(config.eval_files)
+    cache = str(run_dir / "datasets-cache")
+    stream = PromptStream(load_prompts(train_files, prompt_key=config.prompt_key, cache_dir=cache), seed=config.seed)
+    eval_records = []
+    if eval_files and config.num_eval_prompts:
+        eval_records = [dict(r) for r in load_prompts(eval_files, prompt_key=config.prompt_key, cache_dir=cache)]
+        eval_records = eval_records[:config.num_eval_prompts]
+    encode = lambda text: tok(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    eval_prompts = [encode(r[config.prompt_key]) for r in eval_records]
+
+    own_servers = None
+    if servers is None and not config.server_urls:
+        Path(config.resolved_sync_dir).mkdir(parents=True, exist_ok=True)
+        log(f"starting {config.num_servers} rollout-serve process(es) ({config.server_dtype}) ...")
+        own_servers = servers = await asyncio.to_thread(
+            LocalServers(config.num_servers, _server_flags(config), log_dir=str(run_dir / "server-logs")).start)
+    urls = servers.urls if servers is not None else list(config.server_urls)
+    result = TrainResult()
+    wb = None
+    try:
+        client = RolloutClient(urls, api_key=config.api_key, admin_api_key=config.admin_api_key,
+                               routing_format=config.routing_format, stream=config.stream)
+        async with contextlib.AsyncExitStack() as stack:
+            await stack.enter_async_context(client)
+            log(f"servers: {', '.join(urls)}; model {client.info.architecture}: {client.info.num_layers} layers, "
+                f"{client.info.num_experts} experts, top-{client.info.top_k}")
+            trainer = await asyncio.to_thread(PolicyTrainer, config, eos_id=eos_id)
+            sync = make_weight_sync(config.weight_sync, client, sync_dir=config.resolved_sync_dir)
+            stack.push_async_callback(sync.close)  # NOTE: before the client closes (LIFO)
+            wb = _Wandb(config)
+            version = 0
+            # NOTE: servers started by this loop begin at weight_version "0"; ones we connect to are
+            # brought in line by pushing the trainer's (identical) weights first.
+            if own_servers is None:
+                await sync.push(trainer.named_weights(), str(version))
+            eval_reward = await _evaluate(client, eval_prompts, eval_records, reward_fn, decode, config, "0")
+            result.evals.append((0, eval_reward))
+            log(f"held-out reward before training: {eval_reward:.3f} ({len(eval_prompts)} prompts, greedy)")
+            # NOTE: disable=None: the bar only on a terminal; the per-step lines are printed either way
+            bar = tqdm(range(1, config.steps + 1), desc="GRPO", disable=None if config.progress else True,
+                       dynamic_ncols=True, file=sys.stdout)
+            for step in bar:
+                rec: dict[str, Any] = {"step": step}
+                # rollout
+                t0 = time.perf_counter()
+                records = stream.next_batch(config.prompts_per_step)
+                prompts = [encode(r[config.prompt_key]) for r in records]
+                on_sample = (lambda s, step=step: hooks.on_sample(step, s)) if hooks.on_sample else None
+                samples = await client.generate_groups(
+                    prompts, config.samples_per_prompt,
+                    {"temperature": config.temperature, "top_p": config.top_p,
+                     "max_new_tokens": config.max_new_tokens},
+                    group_ids=[f"{step}-{i}" for i in range(len(prompts))], seed=config.seed * 100_003 + step,
+                    rid_prefix=f"s{step}-", metas=[{"record": r} for r in records], on_sample=on_sample)
+                rec["rollout_s"] = time.perf_counter() - t0
+                stale = sorted({str(s.weight_version) for s in samples} - {str(version)})
+                if stale:
+                    raise RuntimeError(f"step {step}: rollouts carry weight_version {stale}, expected {version!r}")
+                rec["weight_version"] = str(version)
+                for s in samples:
+                    s.reward = float(reward_fn(decode(s.response_ids.tolist()), s.meta["record"]))
+                adv = grpo_advantages([s.reward for s in samples], [s.group_id for s in samples])
+                rec["bytes_per_sample"] = sum(s.meta["wire_bytes"] for s in samples) / len(samples)
+                rec["routing_bytes_per_sample"] = sum(s.meta["routing_bytes"] for s in samples) / len(samples)
+                rec["retried_samples"] = sum(1 for s in samples if s.meta["attempts"] > 1)
+                rec.update(step_metrics(samples=samples))
+                rec["zero_adv_groups"] = float((adv.abs() < 1e-8).float().mean())
+                # train
+                t0 = time.perf_counter()
+                rec.update(await asyncio.to_thread(trainer.train_step, samples, adv))
+                rec["train_total_s"] = time.perf_counter() - t0
+                # sync
+                version += 1
+                res = await sync.push(trainer.named_weights(), str(version))
+                rec["sync_s"], rec["sync_bytes"] = res.seconds, res.bytes
+                rec["servers_alive"] = len(client.alive_urls)
+                if config.num_eval_prompts and ((config.eval_every and step % config.eval_every == 0)
+                                                or step == config.steps):
+                    t0 = time.perf_counter()
+                    rec["eval_reward"] = await _evaluate(client, eval_prompts, eval_records, reward_fn, decode,
+                                                         config, str(step))
+                    rec["eval_s"] = time.perf_counter() - t0
+                    result.evals.append((step, rec["eval_reward"]))
+                result.history.append(rec)
+                result.samples_per_step.append(samples)
+                wb.log(rec, step)
+                with open(run_dir / "metrics.jsonl", "a") as f:
+                    f.write(json.dumps({k: v for k, v in rec.items()}, default=str) + "\n")
+                bar.set_postfix(reward=f"{rec['reward_mean']:.3f}", mismatch=f"{rec['routing_mismatch_rate']:.3f}",
+                                refresh=False)
+                line = (f"step {step:3d}  reward {rec['reward_mean']:.3f}  len {rec['response_length_mean']:.2f}  "
+                        f"mismatch {rec['routing_mismatch_rate']:.4f}")
+                if "no_replay/routing_mismatch_rate" in rec:
+                    line += f" (no replay {rec['no_replay/routing_mismatch_rate']:.4f})"
+                line += (f"  |dlp| {rec['train_rollout_logprob_abs_diff']:.4f}  k3 {rec['k3_kl']:.2e}  "
+                         f"F2 {rec['f_tau2']:.4f}")
+                if "eval_reward" in rec:
+                    line += f"  held-out {rec['eval_reward']:.3f}"
+                line += f"  [rollout {rec['rollout_s']:.2f}s train {rec['train_s']:.2f}s sync {rec['sync_s']:.3f}s]"
+                if config.progress:
+                    tqdm.write(line, file=sys.stdout)
+                else:
+                    log(line)
+                if hooks.on_step:
+                    hooks.on_step(step, rec)
+            bar.close()
+            result.client_loads = client.loads()
+    finally:
+        if own_servers is not None:
+            await asyncio.to_thread(own_servers.close)
+    result.wall_s = time.perf_counter() - t_start
+    summary = result.summary()
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    if wb is not None:
+        wb.finish(summary)
+    log("\n" + _table(result))
+    if result.evals:
+        log("held-out reward (greedy): " + ", ".join(f"step {s}: {r:.3f}" for s, r in result.evals))
+    log("client per-server: " + "; ".join(f"{u}: {d['completed']} done, {d['failures']} failed, "
+                                            f"alive={d['alive']}" for u, d in result.client_loads.items()))
+    log(f"wall time {result.wall_s:.1f}s")
+    return result
+
+
+def run(config: TrainConfig, **kw) -> TrainResult:
+    return asyncio.run(run_async(config, **kw))
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m trainer_bridge.train", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--config", required=True, help="YAML file (e.g. configs/train/tiny.yaml)")
+    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                    help="override a config key (repeatable), e.g. --set steps=5 --set loss.clip_eps=0.3")
+    args = ap.parse_args(argv)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    try:
+        config = load_train_config(args.config, args.overrides)
+    except ValueError as exc:
+        ap.error(str(exc))
+    run(config)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
