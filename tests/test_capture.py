@@ -1,6 +1,5 @@
 """Routed-expert capture against transformers' router top-k, for every architecture and path."""
 import asyncio
-import random
 
 import pytest
 import torch
@@ -10,20 +9,14 @@ from oracle import hf_router_topk, same_sets
 from rollout import Rollout
 from rollout.config import DEFAULT_MODEL_PATH
 from tiny_models import ARCHS
+from tiny_models import make_engine, random_prompts as prompts
 
 GREEDY = {"temperature": 0.0, "max_new_tokens": 12, "ignore_eos": True}
 SAMPLED = {"temperature": 1.0, "top_p": 0.95, "max_new_tokens": 12, "ignore_eos": True, "sampling_seed": 11}
 
 
-def prompts(seed, lengths):
-    rng = random.Random(seed)
-    return [[rng.randrange(3, 256) for _ in range(n)] for n in lengths]
 
 
-def make_engine(path, **kw):
-    kw.setdefault("dtype", "float32")
-    kw.setdefault("tokenizer_path", DEFAULT_MODEL_PATH)
-    return Rollout(str(path), enable_return_routed_experts=True, **kw)
 
 
 def check_rows(path, out, start=0):

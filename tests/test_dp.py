@@ -10,23 +10,16 @@ import torch
 
 from capture.gather_layout import GatherLayout
 from oracle import hf_router_topk, same_sets
-from rollout import EngineDeadError, Rollout
-from rollout.config import DEFAULT_MODEL_PATH
+from rollout import EngineDeadError
 from rollout.runners import DECODE, EAGER, PREFILL
+from tiny_models import make_engine, random_prompts as prompts
 
 GREEDY = {"temperature": 0.0, "max_new_tokens": 8, "ignore_eos": True}
 BUCKETS = dict(decode_graph_batch_sizes=(1, 2, 4), prefill_graph_token_sizes=(16, 32), chunked_prefill_size=48)
 
 
-def prompts(seed, lengths, vocab=256):
-    rng = random.Random(seed)
-    return [[rng.randrange(3, vocab) for _ in range(n)] for n in lengths]
 
 
-def make_engine(path, **kw):
-    kw.setdefault("dtype", "float32")
-    kw.setdefault("tokenizer_path", DEFAULT_MODEL_PATH)
-    return Rollout(str(path), enable_return_routed_experts=True, **kw)
 
 
 def generate(engine, batch, params, ranks=None, **kw):

@@ -1,26 +1,23 @@
 """Engine core against transformers: greedy outputs, logprobs, prefix cache, chunking, retraction."""
-import random
 
 import pytest
 import torch
 
 from oracle import hf_greedy, hf_logprobs
-from rollout import Rollout, SamplingParams
-from rollout.config import DEFAULT_MODEL_PATH
+from rollout import SamplingParams
 from tiny_models import ARCHS
+from tiny_models import random_prompts as prompts
+from tiny_models import make_engine as _make_engine
+
+
+def make_engine(path, **kw):
+    return _make_engine(path, capture=False, **kw)
 
 GREEDY = {"temperature": 0.0, "max_new_tokens": 32, "ignore_eos": True, "logprob_mode": "raw"}
 
 
-def prompts(seed: int, lengths, vocab: int = 256) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(3, vocab) for _ in range(n)] for n in lengths]
 
 
-def make_engine(path, **kw) -> Rollout:
-    kw.setdefault("dtype", "float32")
-    kw.setdefault("tokenizer_path", DEFAULT_MODEL_PATH)
-    return Rollout(str(path), **kw)
 
 
 @pytest.mark.parametrize("arch", ARCHS)

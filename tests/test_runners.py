@@ -13,7 +13,6 @@ from capture.buffer_sizing import ForwardShapeLimits, capture_buffer_rows
 from capture.capturer import RoutedExpertsCapturer
 from capture.gather_layout import GatherLayout
 from oracle import hf_router_topk, same_sets
-from rollout import Rollout
 from rollout.config import DEFAULT_MODEL_PATH, EngineConfig
 from rollout.engine_core import EngineCore
 from rollout.kv_pool import SINK_SLOT, KVPool
@@ -24,20 +23,14 @@ from rollout.request import Req, ReqState
 from rollout.runners import DECODE, EAGER, PREFILL, RankShape, RunnerPlan
 from rollout.sampling_params import SamplingParams
 from rollout.scheduler import Scheduler
+from tiny_models import make_engine, random_prompts as prompts
 
 GREEDY = {"temperature": 0.0, "max_new_tokens": 10, "ignore_eos": True}
 BUCKETS = dict(decode_graph_batch_sizes=(1, 2, 4), prefill_graph_token_sizes=(16, 32), chunked_prefill_size=48)
 
 
-def prompts(seed, lengths, vocab=256):
-    rng = random.Random(seed)
-    return [[rng.randrange(3, vocab) for _ in range(n)] for n in lengths]
 
 
-def make_engine(path, **kw):
-    kw.setdefault("dtype", "float32")
-    kw.setdefault("tokenizer_path", DEFAULT_MODEL_PATH)
-    return Rollout(str(path), enable_return_routed_experts=True, **kw)
 
 
 def assert_same_outputs(outs, ref, atol=1e-5):

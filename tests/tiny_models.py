@@ -74,3 +74,23 @@ def tiny_checkpoint(tmp_path_factory):
         return cache[key]
 
     return get
+
+
+def random_prompts(seed: int, lengths, vocab: int = 256) -> list[list[int]]:
+    """Seeded random prompts (ids 3.. vocab-1, clear of the tiny models' special ids) of the given lengths."""
+    import random
+
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(n)] for n in lengths]
+
+
+def make_engine(path, *, capture: bool = True, **kw):
+    """A Rollout on a tiny checkpoint in fp32 with the embedded tokenizer (tiny checkpoints have none)."""
+    from rollout import Rollout
+    from rollout.config import DEFAULT_MODEL_PATH
+
+    kw.setdefault("dtype", "float32")
+    kw.setdefault("tokenizer_path", DEFAULT_MODEL_PATH)
+    if capture:
+        kw["enable_return_routed_experts"] = True
+    return Rollout(str(path), **kw)
