@@ -147,7 +147,10 @@ def test_kill_one_of_two_servers_mid_request_loses_and_duplicates_nothing():
     long = {"temperature": 1.0, "max_new_tokens": 48, "ignore_eos": True}
     with LocalServers(2, FLAGS + ["--log-level", "warning"]) as servers:
         async def go():
-            async with RolloutClient(servers.urls, retry_backoff_s=0.0) as c:
+            # NOTE: at most 4 in flight, so requests are still being sent to both servers after
+            # the first sample arrives (with all 32 in flight at once, server 0 could have finished
+            # its whole share before the kill, and nothing would fail over).
+            async with RolloutClient(servers.urls, retry_backoff_s=0.0, max_concurrency=4) as c:
                 killed = []
 
                 def on_sample(s):
