@@ -11,6 +11,7 @@ from capture.capturer import RoutedExpertsCapturer
 from rollout.config import EngineConfig
 from rollout.kv_pool import KVPool
 from rollout.model_runner import ModelRunner
+from rollout.models.moe import FusedExperts
 from rollout.models.registry import load_model
 from rollout.output import RolloutOutput
 from rollout.radix_cache import RadixCache
@@ -38,8 +39,13 @@ class EngineCore:
         self.dp_rank = ep_group.rank if ep_group is not None else 0
         self.device = torch.device(cfg.device)
         self.tokenizer = Tokenizer(cfg.resolved_tokenizer_path)
-        self.model, _ = load_model(cfg.model_path, cfg.dtype, self.device)
+        self.model, _ = load_model(cfg.model_path, cfg.dtype, self.device,
+                                   expert_shard=(ep_group.rank, ep_group.size) if ep_group is not None else None)
         self.info = self.model.info
+        experts = [m for m in self.model.modules() if isinstance(m, FusedExperts)]
+        self._expert_report = {  # what this rank holds of the routed experts (expert parallel)
+            "experts_held": [experts[0].expert_lo, experts[0].expert_hi] if experts else [],
+            "expert_weight_bytes": sum(p.numel() * p.element_size() for m in experts for p in m.parameters())}
         self.eos_ids = Tokenizer.eos_token_ids(cfg.model_path)
         self.context_length = cfg.context_length or self.info.max_position_embeddings
         self.weight_version = cfg.weight_version
@@ -369,4 +375,4 @@ class EngineCore:
         return [{"dp_rank": 0, "num_running_reqs": len(self.scheduler.running),
                  "num_waiting_reqs": len(self.scheduler.waiting), "num_used_tokens": used,
                  "num_cached_tokens": self.cache.total_size(), "max_total_num_tokens": total,
-                 "token_usage": used / total if total else 0.0}]
+                 "token_usage": used / total if total else 0.0, **self._expert_report}]

@@ -80,6 +80,38 @@ def test_dp2_uneven_loads_match_dp1(qwen3, dp1):
     assert any(x.runner == PREFILL and y.runner == DECODE for x, y in zip(steps, steps[1:]))
 
 
+def test_expert_shards_and_expert_weight_updates_match_dp1(qwen3):
+    """Each rank holds only its experts; an update of some experts (per-expert names, on both
+    ranks' shards) and of a whole layer's stacked experts lands in the right shards: dp_size 2
+    then generates exactly what dp_size 1 does with the same update."""
+    from oracle import hf_model
+
+    donor = hf_model(str(qwen3)).state_dict()
+    update = {k: v * 1.25 for k, v in donor.items() if ".layers.2.mlp.experts." in k}        # stacked
+    for e in (1, 6):                                                                         # rank 0, rank 1
+        for proj in ("gate_proj", "up_proj", "down_proj"):
+            name = f"model.layers.1.mlp.experts.{e}.{proj}.weight"
+            half = {"gate_proj": 0, "up_proj": 1}.get(proj)
+            src = donor["model.layers.1.mlp.experts.down_proj"][e] if half is None else \
+                donor["model.layers.1.mlp.experts.gate_up_proj"][e].chunk(2)[half]
+            update[name] = -src
+    batch = prompts(6, [9, 14, 5, 20])
+    with make_engine(qwen3, dp_size=2, **BUCKETS) as engine:
+        loads = engine.loads()
+        before = generate(engine, batch, GREEDY, ranks=[0, 1, 0, 1])
+        assert engine.swap_weights(update, weight_version="w2") == len(update)
+        outs = generate(engine, batch, GREEDY, ranks=[0, 1, 0, 1])
+    assert [ld["experts_held"] for ld in loads] == [[0, 4], [4, 8]]
+    with make_engine(qwen3, **BUCKETS) as engine:
+        full = engine.loads()[0]
+        assert_same(before, generate(engine, batch, GREEDY))
+        engine.swap_weights(update, weight_version="w2")
+        assert_same(outs, generate(engine, batch, GREEDY))
+    assert full["experts_held"] == [0, 8]
+    assert [ld["expert_weight_bytes"] * 2 for ld in loads] == [full["expert_weight_bytes"]] * 2
+    assert any(a.output_ids != b.output_ids for a, b in zip(before, outs))
+
+
 @pytest.mark.slow
 def test_dp3_mixed_runners_and_least_load_dispatch(qwen3, dp1):
     rng = random.Random(3)

@@ -15,6 +15,7 @@ from rollout.kv_pool import KVPool
 from rollout.models import (load_model, load_state_dict_from_tensors, model_class, model_info,
                             softmax_topk, supported_architectures)
 
+from rollout.models.ep_group import expert_range
 from tiny_models import ARCHS  # the tiny_checkpoint fixture comes from conftest.py
 
 PROMPT_LENS = (7, 12, 4)
@@ -252,6 +253,41 @@ def test_state_dict_update_from_hf_fused_names_is_atomic(tiny_checkpoint, arch):
     donor_model, _ = load_model(donor, torch.float32)
     for (n, a), (_, b) in zip(model.state_dict().items(), donor_model.state_dict().items()):
         assert torch.equal(a, b), n
+
+
+@pytest.mark.parametrize("size", [2, 3, 9])
+def test_expert_shards_load_their_rows_only(tiny_checkpoint, size):
+    """Expert parallel: rank r of `size` holds experts expert_range(8, r, size) and nothing else,
+    from per-expert checkpoint names and from stacked (HF in-memory) updates alike; 9 ranks over 8
+    experts leaves one rank without experts."""
+    path = tiny_checkpoint("qwen3_moe")
+    full, _ = load_model(path, torch.float32)
+    donor = hf_model(str(tiny_checkpoint("qwen3_moe", seed=1)), torch.float32).state_dict()
+    stacked = {k: v for k, v in donor.items() if ".experts." in k and ".layers.2." in k}
+    assert set(stacked) == {"model.layers.2.mlp.experts.gate_up_proj", "model.layers.2.mlp.experts.down_proj"}
+    held = []
+    for rank in range(size):
+        shard, _ = load_model(path, torch.float32, expert_shard=(rank, size))
+        lo, hi = expert_range(8, rank, size)
+        held += range(lo, hi)
+        sd, ref = shard.state_dict(), full.state_dict()
+        for name, value in sd.items():
+            want = ref[name][lo:hi] if ".experts.w" in name else ref[name]
+            assert torch.equal(value, want), (rank, name)
+        n_bytes = sum(p.numel() for n, p in shard.named_parameters() if ".experts." in n)
+        assert n_bytes == sum(p.numel() for n, p in full.named_parameters() if ".experts." in n) * (hi - lo) // 8
+        assert load_state_dict_from_tensors(shard, stacked) == 2   # the count is over all experts
+        w13 = shard.model.layers[2].mlp.experts.w13
+        assert torch.equal(w13, donor["model.layers.2.mlp.experts.gate_up_proj"][lo:hi])
+        one = {"model.layers.1.mlp.experts.5.down_proj.weight": torch.ones(64, 32)}
+        want = shard.model.layers[1].mlp.experts.w2.clone()
+        if lo <= 5 < hi:
+            want[5 - lo] = 1.0
+        assert load_state_dict_from_tensors(shard, one) == 1
+        assert torch.equal(shard.model.layers[1].mlp.experts.w2, want)
+        with pytest.raises(ValueError, match=r"(?s)unexpected.*experts.8.down_proj.weight \[64, 32\] \(the model has 8"):
+            load_state_dict_from_tensors(shard, {"model.layers.1.mlp.experts.8.down_proj.weight": torch.ones(64, 32)})
+    assert held == list(range(8))
 
 
 def test_softmax_topk_rule_and_capture():

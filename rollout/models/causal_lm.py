@@ -44,6 +44,15 @@ class MoeCausalLM(nn.Module):
     def from_config(cls, cfg: dict, generation_config: dict | None = None) -> "MoeCausalLM":
         return cls(cls.spec_from_config(cfg, generation_config))
 
+    def shard_experts(self, rank: int, size: int) -> None:
+        """Expert parallel: keep only rank `rank` of `size`'s share of every MoE layer's experts.
+        Call on the unloaded (meta) model; the loader then reads only those experts."""
+        from rollout.models.ep_group import expert_range
+        from rollout.models.moe import FusedExperts
+        for module in self.modules():
+            if isinstance(module, FusedExperts):
+                module.shard(*expert_range(module.num_experts, rank, size))
+
     @property
     def info(self) -> ModelInfo:
         return self.spec.info

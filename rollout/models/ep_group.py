@@ -20,6 +20,13 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
+def expert_range(num_experts: int, rank: int, size: int) -> tuple[int, int]:
+    """[lo, hi) of the experts rank `rank` of `size` holds: contiguous, sizes differ by <= 1."""
+    base, extra = divmod(num_experts, size)
+    lo = rank * base + min(rank, extra)
+    return lo, lo + base + (1 if rank < extra else 0)
+
+
 class EPGroup:
     def __init__(self, *, rank: int, size: int, device: torch.device | str = "cpu",
                  group: Optional[dist.ProcessGroup] = None):
@@ -31,10 +38,8 @@ class EPGroup:
         self._gloo = dist.get_backend(group) == "gloo"
 
     def expert_range(self, num_experts: int) -> tuple[int, int]:
-        """[lo, hi) of the logical experts this rank computes: contiguous, sizes differ by <= 1."""
-        base, extra = divmod(num_experts, self.size)
-        lo = self.rank * base + min(self.rank, extra)
-        return lo, lo + base + (1 if self.rank < extra else 0)
+        """[lo, hi) of the experts this rank holds and computes."""
+        return expert_range(num_experts, self.rank, self.size)
 
     def exchange(self, values: Sequence[int]) -> list[tuple[int, ...]]:
         """Every rank's `values` (same length on all ranks), in rank order: one small all-gather."""

@@ -25,11 +25,16 @@ _MAX_LISTED = 20
 
 @dataclass(frozen=True)
 class Target:
-    """Where one checkpoint tensor goes: param[expert][half-rows] (None = whole dimension)."""
+    """Where one checkpoint tensor goes: param[expert][half-rows] (None = whole dimension).
+
+    expert is global (the checkpoint's numbering); source_rows: copy only these rows of the
+    source's dim 0 (a whole stacked-experts tensor loaded into an expert shard).
+    """
 
     param: str
     expert: int | None = None
     half: int | None = None      # w13 only: 0 = gate rows, 1 = up rows
+    source_rows: tuple[int, int] | None = None
 
 
 def resolve(model: nn.Module, hf_name: str) -> Target | None:
@@ -51,34 +56,55 @@ def resolve(model: nn.Module, hf_name: str) -> Target | None:
     return Target(name)
 
 
-def target_view(param: torch.Tensor, t: Target) -> torch.Tensor:
-    view = param if t.expert is None else param[t.expert]
+def _experts_of(model: nn.Module, param_name: str) -> tuple[int, int, int] | None:
+    """(lo, hi, num_experts) when param_name is a stacked-experts weight holding experts [lo, hi)."""
+    owner = model.get_submodule(param_name.rpartition(".")[0]) if "." in param_name else model
+    if hasattr(owner, "expert_lo") and hasattr(owner, "num_experts"):
+        return owner.expert_lo, owner.expert_hi, owner.num_experts
+    return None
+
+
+def target_view(param: torch.Tensor, t: Target, expert_lo: int = 0) -> torch.Tensor:
+    view = param if t.expert is None else param[t.expert - expert_lo]
     if t.half is not None:
         rows = view.shape[0] // 2
         view = view[t.half * rows:(t.half + 1) * rows]
     return view
 
 
-def _pieces(name: str, param: torch.Tensor) -> set[tuple[int | None, int | None]]:
-    """Pieces that together cover param; a whole-tensor Target (None, None) covers everything."""
-    if name.endswith(".experts.w13"):
-        return {(e, h) for e in range(param.shape[0]) for h in (0, 1)}
-    if name.endswith(".experts.w2"):
-        return {(e, None) for e in range(param.shape[0])}
-    return {(None, None)}
+def source_view(tensor: torch.Tensor, t: Target) -> torch.Tensor:
+    return tensor if t.source_rows is None else tensor[t.source_rows[0]:t.source_rows[1]]
+
+
+def _expert_shape(param: torch.Tensor, half: int | None) -> tuple[int, ...]:
+    """The shape of one expert's tensor (or its gate/up half) in a stacked-experts parameter."""
+    shape = list(param.shape[1:])
+    if half is not None:
+        shape[0] //= 2
+    return tuple(shape)
+
+
+def _pieces(name: str, experts: tuple[int, int, int] | None,
+            held_only: bool = True) -> set[tuple[int | None, int | None]]:
+    """Pieces that make up a parameter: (global expert, half) for stacked experts (the held
+    ones, or with held_only=False all of the model's), else the whole tensor (None, None)."""
+    if experts is None:
+        return {(None, None)}
+    lo, hi, n = experts
+    halves = (0, 1) if name.endswith(".w13") else (None,)
+    return {(e, h) for e in (range(lo, hi) if held_only else range(n)) for h in halves}
 
 
 def _listing(items: list[str]) -> str:
     more = f"\n  ... and {len(items) - _MAX_LISTED} more" if len(items) > _MAX_LISTED else ""
     return "\n  " + "\n  ".join(items[:_MAX_LISTED]) + more
-
-
 def plan(model: nn.Module, shapes: dict[str, tuple[int, ...]], *, require_all: bool,
          source: str = "checkpoint") -> dict[str, Target]:
     """Validate every checkpoint name/shape against the model before anything is copied.
 
-    Raises ValueError naming unexpected keys, shape mismatches, overlaps and (with require_all)
-    parameters the checkpoint does not provide.
+    Returns the tensors to copy and where. Experts a sharded model does not hold are checked
+    (name, shape, duplicates) and then left out. Raises ValueError naming unexpected keys, shape
+    mismatches, overlaps and (with require_all) parameters the checkpoint does not provide.
     """
     params = dict(model.named_parameters())
     targets: dict[str, Target] = {}
@@ -91,23 +117,39 @@ def plan(model: nn.Module, shapes: dict[str, tuple[int, ...]], *, require_all: b
         if t.param not in params:
             unexpected.append(f"{hf_name} {list(shape)}")
             continue
-        want = tuple(target_view(params[t.param], t).shape)
+        param = params[t.param]
+        experts = _experts_of(model, t.param)
+        if experts is None:
+            want = tuple(target_view(param, t).shape)
+        elif t.expert is None:                       # all experts stacked in one tensor
+            want = (experts[2], *param.shape[1:])
+        elif not 0 <= t.expert < experts[2]:
+            unexpected.append(f"{hf_name} {list(shape)} (the model has {experts[2]} experts)")
+            continue
+        else:                                        # one expert (any: they all have one shape)
+            want = _expert_shape(param, t.half)
         if tuple(shape) != want:
             bad_shape.append(f"{hf_name}: {source} {list(shape)}, model expects {list(want)}")
             continue
-        got = _pieces(t.param, params[t.param]) if t.expert is None and t.half is None else {(t.expert, t.half)}
+        got = _pieces(t.param, experts, held_only=False) if t.expert is None else {(t.expert, t.half)}
         seen = covered.setdefault(t.param, set())
         if seen & got:
             overlap.append(f"{hf_name} (overlaps another tensor for {t.param})")
             continue
         seen |= got
+        if experts is not None and t.expert is None and experts[:2] != (0, experts[2]):
+            t = Target(t.param, source_rows=experts[:2])
+        if experts is not None and t.expert is not None and not experts[0] <= t.expert < experts[1]:
+            continue                                 # another rank's expert
         targets[hf_name] = t
     missing = []
     if require_all:
         for name, p in params.items():
-            for e, h in sorted(_pieces(name, p) - covered.get(name, set()), key=str):
+            experts = _experts_of(model, name)
+            for e, h in sorted(_pieces(name, experts) - covered.get(name, set()), key=str):
                 where = "" if e is None else f" expert {e}" + ("" if h is None else (" gate_proj", " up_proj")[h])
-                missing.append(f"{name}{where} {list(target_view(p, Target(name, e, h)).shape)}")
+                shape = p.shape if e is None else _expert_shape(p, h)
+                missing.append(f"{name}{where} {list(shape)}")
     errors = []
     for title, items in (("missing", missing), ("unexpected", unexpected),
                          ("wrong shape", bad_shape), ("duplicate", overlap)):
@@ -116,6 +158,12 @@ def plan(model: nn.Module, shapes: dict[str, tuple[int, ...]], *, require_all: b
     if errors:
         raise ValueError(f"{source} does not match {type(model).__name__}:\n" + "\n".join(errors))
     return targets
+
+
+def copy_into(model: nn.Module, params: dict[str, torch.Tensor], t: Target, value: torch.Tensor) -> None:
+    """Copy one planned checkpoint tensor (already sliced to t.source_rows) into its parameter."""
+    experts = _experts_of(model, t.param)
+    target_view(params[t.param], t, experts[0] if experts else 0).copy_(value)
 
 
 def _checkpoint_files(model_path: str | Path) -> list[Path]:
@@ -150,18 +198,22 @@ def load_checkpoint(model: nn.Module, model_path: str | Path) -> None:
             for key in st.keys():
                 if key in targets:
                     t = targets[key]
-                    target_view(params[t.param], t).copy_(st.get_tensor(key))
+                    # NOTE: an expert shard reads only its rows of a stacked-experts tensor
+                    value = st.get_tensor(key) if t.source_rows is None else st.get_slice(key)[slice(*t.source_rows)]
+                    copy_into(model, params, t, value)
 
 
 @torch.no_grad()
 def load_state_dict_from_tensors(model: nn.Module, named_tensors: dict[str, torch.Tensor]) -> int:
     """Copy HF-named tensors into model, all or nothing: every name and shape is checked first.
 
-    A subset of the parameters is fine (weight updates may be partial). Returns tensors copied.
+    A subset of the parameters is fine (weight updates may be partial). Returns the number of
+    tensors accepted (an expert shard copies only its own experts' tensors).
     """
     targets = plan(model, {k: tuple(v.shape) for k, v in named_tensors.items()}, require_all=False,
                    source="tensors")
     params = dict(model.named_parameters())
     for key, t in targets.items():
-        target_view(params[t.param], t).copy_(named_tensors[key])
-    return len(targets)
+        copy_into(model, params, t, source_view(named_tensors[key], t))
+    # NOTE: counted over the model, not this shard: another rank's experts were validated here too
+    return sum(resolve(model, k) is not None for k in named_tensors)

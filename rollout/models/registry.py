@@ -95,9 +95,10 @@ def resolve_dtype(dtype: torch.dtype | str, cfg: dict) -> torch.dtype:
 
 
 def load_model(model_path: str | Path, dtype: torch.dtype | str = "auto",
-               device: str | torch.device = "cpu"):
+               device: str | torch.device = "cpu", expert_shard: tuple[int, int] | None = None):
     """Build the model for model_path's architecture and load its safetensors weights.
 
+    expert_shard: (rank, size) to hold and load only that rank's experts (expert parallel).
     Returns (model in eval mode, config.json as a dict).
     """
     from rollout.models.loader import load_checkpoint
@@ -110,6 +111,8 @@ def load_model(model_path: str | Path, dtype: torch.dtype | str = "auto",
     # load_checkpoint overwrites every one of them or raises.
     with torch.device("meta"):
         model = cls(spec).to(dtype)
+        if expert_shard is not None:
+            model.shard_experts(*expert_shard)
     model = model.to_empty(device=torch.device(device))
     load_checkpoint(model, model_path)
     model.requires_grad_(False).eval()
