@@ -120,6 +120,22 @@ class EngineConfig:
         if not isinstance(self.weight_version, str):
             raise ValueError(f"weight_version must be a string, got {self.weight_version!r}")
 
+    def check_devices(self) -> None:
+        """Raises ValueError when this machine lacks the GPUs the config asks for (DP rank r runs
+        on cuda:r). Checked when an engine starts, not when a config is made (configs travel)."""
+        if not self.device.startswith("cuda"):
+            return
+        import torch  # noqa: PLC0415
+
+        have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        index = int(self.device.split(":")[1]) if ":" in self.device else 0
+        if self.dp_size > 1 and have < self.dp_size:
+            raise ValueError(f"dp_size={self.dp_size} on device={self.device!r} needs one GPU per DP rank "
+                             f"(rank r uses cuda:r), but {have} are visible")
+        if index >= have:
+            raise ValueError(f"device={self.device!r}: {have} CUDA GPU(s) visible, allowed range "
+                             f"cuda:0..cuda:{have - 1}" if have else f"device={self.device!r}: no CUDA GPU is visible")
+
     def replace(self, **changes: Any) -> "EngineConfig":
         return dataclasses.replace(self, **changes)
 

@@ -89,6 +89,7 @@ class Rollout:
         elif model_path is not None or kwargs:
             raise ValueError("pass either config or model_path/keyword settings, not both")
         self.config = config
+        config.check_devices()
         if config.dp_size > 1:
             from rollout.dp_coordinator import DPCoordinator  # noqa: PLC0415 (imports this module)
 

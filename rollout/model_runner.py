@@ -19,6 +19,7 @@ from rollout.runners.capture_profiler import GraphCaptureProfiler, Variant, vari
 from rollout.runners.decode_graph_runner import DecodeGraphRunner
 from rollout.runners.eager_runner import EagerRunner
 from rollout.runners.graph_backend import CudaGraphBackend, GraphBackend
+from rollout.runners.piecewise_backend import PiecewiseBackend
 from rollout.runners.prefill_graph_runner import PrefillGraphRunner
 from rollout.runners.runner_plan import DECODE, EAGER, PREFILL, RankShape, RunnerPlan
 from rollout.scheduler import ScheduledBatch
@@ -61,9 +62,10 @@ class ModelRunner:
                 tokens_per_step=limits.tokens_per_decode_step,
                 seq_capacity=seq_capacity if static_grid else None, **common)
         if limits.prefill_graph_token_sizes:
+            backend = PiecewiseBackend(model, max_tokens=max(limits.prefill_graph_token_sizes), device=device,
+                                       use_graphs=use_cuda_graphs)
             self.runners[PREFILL] = PrefillGraphRunner(
-                sizes=limits.prefill_graph_token_sizes, backend=GraphBackend(model), dp_size=limits.dp_size,
-                **common)
+                sizes=limits.prefill_graph_token_sizes, backend=backend, dp_size=limits.dp_size, **common)
         self.variants: list[Variant] = variant_product(variant_axes)
         self.counts: Counter = Counter()
         self.recent_layouts: deque[GatherLayout] = deque(maxlen=512)

@@ -32,6 +32,18 @@ def test_config_errors_name_field(field, value):
         EngineConfig(**{field: value})
 
 
+def test_missing_gpus_are_named_at_start():
+    """A config may name GPUs this machine lacks; starting an engine on it says so (no hang)."""
+    import torch
+
+    have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    with pytest.raises(ValueError, match=r"device='cuda:%d'" % have):
+        Rollout(config=EngineConfig(device=f"cuda:{have}"))
+    want = max(2, have + 1)
+    with pytest.raises(ValueError, match=rf"dp_size={want} .* one GPU per DP rank .* {have} are visible"):
+        Rollout(config=EngineConfig(device="cuda", dp_size=want))
+
+
 @pytest.fixture(scope="module")
 def engine(tiny_checkpoint):
     with Rollout(str(tiny_checkpoint("qwen3_moe")), tokenizer_path=DEFAULT_MODEL_PATH, dtype="float32",

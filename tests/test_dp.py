@@ -18,10 +18,6 @@ GREEDY = {"temperature": 0.0, "max_new_tokens": 8, "ignore_eos": True}
 BUCKETS = dict(decode_graph_batch_sizes=(1, 2, 4), prefill_graph_token_sizes=(16, 32), chunked_prefill_size=48)
 
 
-
-
-
-
 def generate(engine, batch, params, ranks=None, **kw):
     return engine.generate(input_ids=batch, sampling_params=params, return_logprob=True, return_routed_experts=True,
                            routed_dp_rank=ranks, **kw)

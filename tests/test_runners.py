@@ -17,7 +17,11 @@ from rollout.config import DEFAULT_MODEL_PATH, EngineConfig
 from rollout.engine_core import EngineCore
 from rollout.kv_pool import SINK_SLOT, KVPool
 from rollout.model_runner import ModelRunner
+from capture.device_buffer import RoutedExpertsBuffer
+from rollout.forward_batch import ForwardBatch
+from rollout.models import load_model
 from rollout.models.moe import FusedExperts
+from rollout.runners.piecewise_backend import PiecewiseBackend
 from rollout.radix_cache import RadixCache
 from rollout.request import Req, ReqState
 from rollout.runners import DECODE, EAGER, PREFILL, RankShape, RunnerPlan
@@ -27,10 +31,6 @@ from tiny_models import make_engine, random_prompts as prompts
 
 GREEDY = {"temperature": 0.0, "max_new_tokens": 10, "ignore_eos": True}
 BUCKETS = dict(decode_graph_batch_sizes=(1, 2, 4), prefill_graph_token_sizes=(16, 32), chunked_prefill_size=48)
-
-
-
-
 
 
 def assert_same_outputs(outs, ref, atol=1e-5):
@@ -131,6 +131,57 @@ def test_cuda_graph_decode_matches_eager(tiny_checkpoint):
     for out, r in zip(outs, ref):
         assert out.output_ids == r.output_ids and torch.equal(out.routed_experts, r.routed_experts)
         assert max(abs(a - b) for a, b in zip(out.output_logprobs, r.output_logprobs)) < 1e-4
+
+
+@pytest.mark.gpu
+def test_cuda_graph_prefill_pieces_match_eager(tiny_checkpoint):
+    """On a GPU the prefill buckets replay one CUDA graph per piece between the attention cores."""
+    path = tiny_checkpoint("qwen3_moe")
+    batch = prompts(3, [4, 19, 33, 7, 12])
+    with make_engine(path, device="cuda") as engine:
+        ref = engine.generate(input_ids=batch, sampling_params=GREEDY, return_logprob=True, return_routed_experts=True)
+    with make_engine(path, device="cuda", prefill_graph_token_sizes=(16, 64), decode_graph_batch_sizes=(8,),
+                     chunked_prefill_size=32) as engine:
+        graphs = engine._call(lambda core: {k: len(v) for k, v in core.runner.runners[PREFILL].backend.graphs.items()})
+        assert sorted(k[0] for k in graphs) == [16, 64] and set(graphs.values()) == {engine.info.num_hidden_layers + 1}
+        outs = engine.generate(input_ids=batch, sampling_params=GREEDY, return_logprob=True, return_routed_experts=True)
+        engine.check_integrity()
+        stats = engine.stats()
+        assert stats["forwards_prefill_graph"] > 0 and stats["forwards_decode_graph"] > 0
+    for out, r in zip(outs, ref):
+        assert out.output_ids == r.output_ids and torch.equal(out.routed_experts, r.routed_experts)
+        assert max(abs(a - b) for a, b in zip(out.output_logprobs, r.output_logprobs)) < 1e-4
+
+
+@pytest.mark.parametrize("arch,overrides", [("qwen3_moe", {}), ("mixtral", {"sliding_window": 5}),
+                                            ("qwen2_moe", {})])
+def test_piecewise_prefill_equals_one_forward(tiny_checkpoint, arch, overrides):
+    """The prefill runner's pieces (cut at every attention core, through the static buffers) give
+    exactly the logits, KV and captured routing of one whole forward, padding included."""
+    path = tiny_checkpoint(arch, **overrides)
+    model, _ = load_model(path, torch.float32)
+    info = model.info
+    results = []
+    for piecewise in (False, True):
+        pool = KVPool(num_slots=64, num_layers=info.num_hidden_layers, num_kv_heads=info.num_kv_heads,
+                      head_dim=info.head_dim, dtype=torch.float32)
+        buf = RoutedExpertsBuffer(rows=32, num_layers=info.num_hidden_layers, top_k=info.top_k)
+        prefix = pool.alloc(6)                                  # request 0 continues a 6-token prefix
+        reqs = [prompts(4, [6 + 9])[0], prompts(5, [11])[0]]
+        new = [pool.alloc(9), pool.alloc(11)]
+        sink = torch.full((12,), SINK_SLOT)                     # padding to the 32-token bucket
+        fb = ForwardBatch.build(input_ids=reqs[0][6:] + reqs[1] + [0] * 12, out_cache_loc=torch.cat(new + [sink]),
+                                prefix_lens=[6, 0, 0], extend_lens=[9, 11, 12],
+                                req_slots=[torch.cat([prefix, new[0]]), new[1], sink], kv_pool=pool, capture=buf)
+        if piecewise:
+            backend = PiecewiseBackend(model, max_tokens=32, device=torch.device("cpu"), use_graphs=False)
+            assert len(backend.pieces(fb)) == info.num_hidden_layers + 1
+            logits = backend.run(None, fb)
+        else:
+            logits = model(fb)
+        results.append((logits, torch.stack(pool.k_buffers), torch.stack(pool.v_buffers), buf.buffer.clone()))
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
 
 
 def test_dense_moe_path_matches_sparse():

@@ -29,9 +29,17 @@ class PagedAttention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fb: ForwardBatch,
                 attn_mask: torch.Tensor | None = None) -> torch.Tensor:
         """q [N, H, D], k/v [N, kvH, D] -> [N, H*D]. attn_mask overrides fb.attn_mask (sliding window)."""
+        self.write_kv(k, v, fb)
+        return self.attend(q, fb, attn_mask)
+
+    def write_kv(self, k: torch.Tensor, v: torch.Tensor, fb: ForwardBatch) -> None:
+        """Stores this forward's k/v [N, kvH, D] at fb.out_cache_loc (token-wise: graph-safe)."""
+        fb.kv_pool.write(self.layer_id, fb.out_cache_loc, k, v)
+
+    def attend(self, q: torch.Tensor, fb: ForwardBatch, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """q [N, H, D] over the KV already in the pool -> [N, H*D] (the step's own attention grid)."""
         n, h, d = q.shape
         pool = fb.kv_pool
-        pool.write(self.layer_id, fb.out_cache_loc, k, v)
         # NOTE: padded key columns read the sink slot; they are masked out, but must hold finite
         # values (0 * NaN is NaN after softmax), which holds because only real k/v are written there.
         keys = pool.k_buffers[self.layer_id][fb.kv_indices].to(q.dtype)      # [B, S, kvH, D]

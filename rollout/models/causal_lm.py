@@ -64,18 +64,31 @@ class MoeCausalLM(nn.Module):
     @torch.no_grad()
     def forward(self, fb: ForwardBatch, return_all_logits: bool = False) -> torch.Tensor:
         """-> float32 logits [B, vocab] at fb.logits_indices, or [N, vocab] with return_all_logits."""
-        x = self.model.embed_tokens(fb.input_ids)                           # [N, hidden]
-        cos, sin = self.rotary.cos_sin(fb.positions, x.dtype)               # [N, 1, D] x2
-        window_masks: dict[int, torch.Tensor] = {}
-        for layer in self.model.layers:
-            window = layer.self_attn.attn.sliding_window
-            mask = None
-            if window is not None:
-                if window not in window_masks:
-                    window_masks[window] = PagedAttention.sliding_window_mask(fb, window)
-                mask = window_masks[window]
+        x, cos, sin = self.embed(fb)
+        for layer, mask in zip(self.model.layers, self.attention_masks(fb)):
             x = layer(x, cos, sin, fb, mask)
         if not return_all_logits:
             x = x[fb.logits_indices]                                        # [B, hidden]
-        x = self.model.norm(x)
-        return F.linear(x, self.lm_head_weight).float()
+        return self.logits(self.model.norm(x))
+
+    # The parts of forward, for runners that run it piecewise (see runners/piecewise_backend.py).
+    def embed(self, fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """-> hidden states [N, hidden] and RoPE cos, sin [N, 1, head_dim]."""
+        x = self.model.embed_tokens(fb.input_ids)                           # [N, hidden]
+        cos, sin = self.rotary.cos_sin(fb.positions, x.dtype)               # [N, 1, D] x2
+        return x, cos, sin
+
+    def attention_masks(self, fb: ForwardBatch) -> list[torch.Tensor | None]:
+        """Per layer: None (fb.attn_mask) or its sliding-window mask (one per distinct window)."""
+        by_window: dict[int, torch.Tensor] = {}
+        masks: list[torch.Tensor | None] = []
+        for layer in self.model.layers:
+            window = layer.self_attn.attn.sliding_window
+            if window is not None and window not in by_window:
+                by_window[window] = PagedAttention.sliding_window_mask(fb, window)
+            masks.append(None if window is None else by_window[window])
+        return masks
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final-normed hidden states [B, hidden] -> float32 logits [B, vocab]."""
+        return F.linear(hidden, self.lm_head_weight).float()

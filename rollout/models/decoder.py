@@ -34,6 +34,10 @@ class SelfAttention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fb: ForwardBatch,
                 attn_mask: torch.Tensor | None) -> torch.Tensor:
         """x [N, hidden] -> [N, hidden]."""
+        return self.o_proj(self.attn.attend(self.project(x, cos, sin, fb), fb, attn_mask))
+
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        """x [N, hidden] -> q [N, H, D] (normed, rotated); this forward's k/v go into the KV pool."""
         n = x.shape[0]
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)          # [N, H*D], [N, kvH*D] x2
         if self.qk_norm == "full":
@@ -47,7 +51,8 @@ class SelfAttention(nn.Module):
         if self.qk_norm == "head":
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = RotaryEmbedding.apply(q, cos, sin), RotaryEmbedding.apply(k, cos, sin)
-        return self.o_proj(self.attn(q, k, v, fb, attn_mask))
+        self.attn.write_kv(k, v, fb)
+        return q
 
 
 class DecoderLayer(nn.Module):
@@ -70,6 +75,17 @@ class DecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fb: ForwardBatch,
                 attn_mask: torch.Tensor | None = None) -> torch.Tensor:
         """x [N, hidden] -> [N, hidden]; same op order as HF (no fused add+norm) for bf16 parity."""
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, fb, attn_mask)
+        q = self.attention_input(x, cos, sin, fb)
+        return self.finish(x, self.self_attn.attn.attend(q, fb, attn_mask), fb)
+
+    # The three parts of forward, for runners that cut the forward at the attention core (prefill
+    # CUDA graphs): attention_input and finish are token-wise; only attend needs the step's grid.
+    def attention_input(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        """x [N, hidden] -> q [N, H, D]; writes this layer's k/v into the KV pool."""
+        return self.self_attn.project(self.input_layernorm(x), cos, sin, fb)
+
+    def finish(self, x: torch.Tensor, attn: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        """x [N, hidden] (the layer's input), attn [N, H*D] (attention core output) -> [N, hidden]."""
+        x = x + self.self_attn.o_proj(attn)
         h = self.post_attention_layernorm(x)
         return x + (self.mlp(h, fb) if self.is_moe else self.mlp(h))

@@ -14,7 +14,7 @@ from torch.profiler import record_function
 from rollout.forward_batch import ForwardBatch
 
 
-def _variant_label(variant: tuple[tuple[str, str], ...]) -> str:
+def variant_label(variant: tuple[tuple[str, str], ...]) -> str:
     return ",".join(f"{axis}={value}" for axis, value in variant)
 
 
@@ -29,7 +29,7 @@ class GraphBackend:
 
     @torch.inference_mode()
     def capture(self, key: Hashable, fb: ForwardBatch, variant: tuple[tuple[str, str], ...] = ()) -> None:
-        with record_function(f"graph_variant[{_variant_label(variant)}]"):
+        with record_function(f"graph_variant[{variant_label(variant)}]"):
             self.model(fb)
         self.captured.add(key)
 
@@ -54,7 +54,7 @@ class CudaGraphBackend(GraphBackend):
         assert key not in self.graphs, key
         # NOTE: no host syncs inside a graph: the MoE takes its dense path (no bincount().tolist()).
         fb = dataclasses.replace(fb, graph_safe=True)
-        with record_function(f"graph_variant[{_variant_label(variant)}]"):
+        with record_function(f"graph_variant[{variant_label(variant)}]"):
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):

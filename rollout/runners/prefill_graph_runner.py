@@ -1,9 +1,9 @@
 """PrefillGraphRunner: steps of up to a bucket's token count, padded to exactly that many tokens.
 
-Token-indexed inputs (ids, positions, KV write slots, hidden states, MoE input, capture rows) are
-static per bucket. The attention grid stays per step: a static grid for prefill would need
-[requests, 1, tokens, context] masks. NOTE: so on a GPU this runner executes its static buffers
-without a CUDA graph; graphing prefill needs piecewise capture around a varlen attention kernel.
+Token-indexed inputs (ids, positions, KV write slots) are static per bucket. The attention grid
+stays per step (a static prefill grid would be requests x tokens x context), so the forward runs
+through a PiecewiseBackend: CUDA graphs of everything between the attention cores on a GPU, the
+same pieces as plain calls on CPU.
 """
 from __future__ import annotations
 
