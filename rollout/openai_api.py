@@ -335,54 +335,22 @@ class OpenAIServing:
         include_usage = bool((_get(body, "stream_options", (dict,), {}) or {}).get("include_usage"))
         es = self._start(prompts=prompts, input_ids=input_ids, params=params, kwargs=kwargs,
                          return_logprob=logprobs is not None, top=logprobs or 0, stream=stream)
-        n = params["n"]
-        meta = {"id": f"cmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": self.model_name}
-        if not stream:
-            outs = await es.outputs(request)
-            choices = []
-            for i, out in enumerate(outs):
-                reason, matched = self._finish(out)
-                choice = {"index": i, "text": out.text, "finish_reason": reason, "matched_stop": matched,
-                          "logprobs": None}
-                if logprobs is not None:
-                    choice["logprobs"] = self._completion_logprobs(out.output_ids, out.output_logprobs,
-                                                                   out.output_top_logprobs, 0)
-                ext = self._sgl_ext(out, fmt)
-                if ext is not None:
-                    choice["sgl_ext"] = ext
-                choices.append(choice)
-            self.metrics.finished(outs)
-            return json_response({**meta, "object": "text_completion", "choices": choices,
-                                  "usage": self._usage(outs, n),
-                                  "metadata": {"weight_version": outs[0].weight_version}})
-        index = {rid: i for i, rid in enumerate(es.rids)}
         text_pos = {rid: 0 for rid in es.rids}
 
-        async def events() -> AsyncIterator[str]:
-            finals = []
-            async for chunk in es.items(keepalive=True):
-                if chunk is None:
-                    yield ": keep-alive\n\n"
-                    continue
-                choice = {"index": index[chunk.rid], "text": chunk.text, "logprobs": None, "finish_reason": None}
-                if logprobs is not None:
-                    choice["logprobs"] = self._completion_logprobs(chunk.output_ids, chunk.output_logprobs,
-                                                                   chunk.output_top_logprobs, text_pos[chunk.rid])
-                text_pos[chunk.rid] += len(chunk.text)
-                ext = self._chunk_ext(chunk, fmt)
-                if ext is not None:
-                    choice["sgl_ext"] = ext
-                if chunk.finished:
-                    choice["finish_reason"], choice["matched_stop"] = self._finish(chunk.output)
-                    finals.append(chunk.output)
-                yield sse({**meta, "object": "text_completion", "choices": [choice]})
-            self.metrics.finished(finals)
-            if include_usage:
-                finals.sort(key=lambda o: index[o.rid])
-                yield sse({**meta, "object": "text_completion", "choices": [], "usage": self._usage(finals, n)})
-            yield "data: [DONE]\n\n"
+        def body_of(out: RolloutOutput) -> dict:
+            lp = None if logprobs is None else self._completion_logprobs(
+                out.output_ids, out.output_logprobs, out.output_top_logprobs, 0)
+            return {"text": out.text, "logprobs": lp}
 
-        return SSEResponse(events(), es.close)
+        def delta_of(chunk: StreamChunk) -> dict:
+            lp = None if logprobs is None else self._completion_logprobs(
+                chunk.output_ids, chunk.output_logprobs, chunk.output_top_logprobs, text_pos[chunk.rid])
+            text_pos[chunk.rid] += len(chunk.text)
+            return {"text": chunk.text, "logprobs": lp}
+
+        return await self._respond(es, request, id_prefix="cmpl", objects=("text_completion", "text_completion"),
+                                   fmt=fmt, n=params["n"], stream=stream, include_usage=include_usage,
+                                   body_of=body_of, delta_of=delta_of)
 
     # ---- /v1/chat/completions -------------------------------------------------------------------------
     @staticmethod
@@ -449,54 +417,68 @@ class OpenAIServing:
         include_usage = bool((_get(body, "stream_options", (dict,), {}) or {}).get("include_usage"))
         es = self._start(input_ids=[ids], params=params, kwargs=kwargs, return_logprob=want_lp, top=top,
                          stream=stream)
-        n = params["n"]
-        meta = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": self.model_name}
+        def body_of(out: RolloutOutput) -> dict:
+            lp = self._chat_logprobs(out.output_ids, out.output_logprobs, out.output_top_logprobs) if want_lp else None
+            return {"message": {"role": "assistant", "content": out.text}, "logprobs": lp}
+
+        def delta_of(chunk: StreamChunk) -> dict:
+            lp = self._chat_logprobs(chunk.output_ids, chunk.output_logprobs,
+                                     chunk.output_top_logprobs) if want_lp else None
+            return {"delta": {"content": chunk.text}, "logprobs": lp}
+
+        opening = [{"delta": {"role": "assistant", "content": ""}, "logprobs": None}]  # per choice, first
+        return await self._respond(es, request, id_prefix="chatcmpl",
+                                   objects=("chat.completion", "chat.completion.chunk"), fmt=fmt, n=params["n"],
+                                   stream=stream, include_usage=include_usage, body_of=body_of,
+                                   delta_of=delta_of, opening=opening[0])
+
+    # ---- shared by both endpoints ------------------------------------------------------------------
+    async def _respond(self, es: "EngineStream", request: Request, *, id_prefix: str, objects: tuple[str, str],
+                       fmt: str, n: int, stream: bool, include_usage: bool,
+                       body_of: Callable[[RolloutOutput], dict], delta_of: Callable[[StreamChunk], dict],
+                       opening: Optional[dict] = None) -> Response:
+        """One response object (choices from body_of), or an SSE stream of chunks (choices from
+        delta_of; `opening` first for every choice), each choice with its index, finish reason,
+        matched stop and routing (`sgl_ext`); usage at the end when asked."""
+        whole, chunk_obj = objects
+        meta = {"id": f"{id_prefix}-{uuid.uuid4().hex}", "created": int(time.time()), "model": self.model_name}
         if not stream:
             outs = await es.outputs(request)
             choices = []
             for i, out in enumerate(outs):
                 reason, matched = self._finish(out)
-                choice = {"index": i, "message": {"role": "assistant", "content": out.text},
-                          "finish_reason": reason, "matched_stop": matched, "logprobs": None}
-                if want_lp:
-                    choice["logprobs"] = self._chat_logprobs(out.output_ids, out.output_logprobs,
-                                                             out.output_top_logprobs)
+                choice = {"index": i, **body_of(out), "finish_reason": reason, "matched_stop": matched}
                 ext = self._sgl_ext(out, fmt)
                 if ext is not None:
                     choice["sgl_ext"] = ext
                 choices.append(choice)
             self.metrics.finished(outs)
-            return json_response({**meta, "object": "chat.completion", "choices": choices,
-                                  "usage": self._usage(outs, n),
+            return json_response({**meta, "object": whole, "choices": choices, "usage": self._usage(outs, n),
                                   "metadata": {"weight_version": outs[0].weight_version}})
         index = {rid: i for i, rid in enumerate(es.rids)}
 
         async def events() -> AsyncIterator[str]:
             finals = []
-            for rid in es.rids:
-                yield sse({**meta, "object": "chat.completion.chunk", "choices": [
-                    {"index": index[rid], "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                     "finish_reason": None}]})
+            if opening is not None:
+                for rid in es.rids:
+                    yield sse({**meta, "object": chunk_obj,
+                               "choices": [{"index": index[rid], **opening, "finish_reason": None}]})
             async for chunk in es.items(keepalive=True):
                 if chunk is None:
                     yield ": keep-alive\n\n"
                     continue
-                choice = {"index": index[chunk.rid], "delta": {"content": chunk.text}, "logprobs": None,
-                          "finish_reason": None}
-                if want_lp:
-                    choice["logprobs"] = self._chat_logprobs(chunk.output_ids, chunk.output_logprobs,
-                                                             chunk.output_top_logprobs)
+                choice = {"index": index[chunk.rid], **delta_of(chunk), "finish_reason": None}
                 ext = self._chunk_ext(chunk, fmt)
                 if ext is not None:
                     choice["sgl_ext"] = ext
                 if chunk.finished:
                     choice["finish_reason"], choice["matched_stop"] = self._finish(chunk.output)
                     finals.append(chunk.output)
-                yield sse({**meta, "object": "chat.completion.chunk", "choices": [choice]})
+                yield sse({**meta, "object": chunk_obj, "choices": [choice]})
             self.metrics.finished(finals)
             if include_usage:
                 finals.sort(key=lambda o: index[o.rid])
-                yield sse({**meta, "object": "chat.completion.chunk", "choices": [], "usage": self._usage(finals, n)})
+                yield sse({**meta, "object": chunk_obj, "choices": [], "usage": self._usage(finals, n)})
             yield "data: [DONE]\n\n"
 
         return SSEResponse(events(), es.close)

@@ -90,7 +90,7 @@ def main(argv=None) -> None:
         for dp, static in configs:
             engine, startup = start_engine(args.model_path, dp, static)
             engine.generate(input_ids=input_ids[:4], sampling_params=params[:4], return_routed_experts=True)
-            engines[(dp, static)] = (engine, startup)
+            engines[(dp, static)] = (engine, startup, max(ld["expert_weight_bytes"] for ld in engine.loads()))
         # NOTE: runs interleave across configurations, so drifting load on a shared machine hits all alike
         times: dict = {c: [] for c in configs}
         forwards: dict = {}
@@ -99,21 +99,23 @@ def main(argv=None) -> None:
                 dt, forwards[c] = run_once(engines[c][0], input_ids, params)
                 times[c].append(dt)
     finally:
-        for engine, _ in engines.values():
+        for engine, *_ in engines.values():
             engine.shutdown()
     results = []
     for dp, static in configs:
         dt = statistics.median(times[(dp, static)])
         results.append({"dp_size": dp, "runner": "static" if static else "eager", "tok_s": total / dt, "seconds": dt,
                         "runs_s": times[(dp, static)], "runner_forwards": forwards[(dp, static)],
-                        "startup_s": engines[(dp, static)][1], "output_tokens": total})
+                        "startup_s": engines[(dp, static)][1], "output_tokens": total,
+                        "expert_bytes_per_rank": engines[(dp, static)][2]})
     base = results[0]["tok_s"]
-    print("\n| dp_size | runner | output tok/s | vs dp=1 eager | forwards by runner (all ranks) | startup s |")
-    print("|---|---|---|---|---|---|")
+    print("\n| dp_size | runner | output tok/s | vs dp=1 eager | forwards by runner (all ranks) | startup s "
+          "| expert weights per rank |")
+    print("|---|---|---|---|---|---|---|")
     for r in results:
         mix = ", ".join(f"{k} {v}" for k, v in sorted(r["runner_forwards"].items()))
         print(f"| {r['dp_size']} | {r['runner']} | {r['tok_s']:.0f} | {r['tok_s'] / base:.2f}x | {mix} | "
-              f"{r['startup_s']:.1f} |")
+              f"{r['startup_s']:.1f} | {r['expert_bytes_per_rank'] / 2**20:.2f} MiB |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"workload": {"prompts": args.prompts, "n": args.n, "min_new": args.min_new,

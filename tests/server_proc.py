@@ -1,10 +1,6 @@
 """Starts a real `rollout-serve` process on a free loopback port and waits for /health."""
 from __future__ import annotations
 
-import os
-import re
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -13,91 +9,55 @@ from typing import Optional, Sequence
 
 import httpx
 
+from trainer_bridge.launch import LocalServer
+
 ROOT = Path(__file__).resolve().parent.parent
-_LISTENING = re.compile(r"rollout-serve listening on (http://\S+)")
-
-
-def _serve_command() -> list[str]:
-    exe = Path(sys.executable).parent / "rollout-serve"
-    if exe.exists():
-        return [str(exe)]
-    return [sys.executable, "-m", "rollout.server"]
 
 
 class ServerProcess:
-    """`with ServerProcess([...flags]) as srv:` -> srv.url; the process is stopped (and checked) on exit."""
+    """`with ServerProcess([...flags]) as srv:` -> srv.url; one `rollout-serve` on a free loopback
+    port (trainer_bridge.launch.LocalServer), stopped on exit and its log removed."""
 
     def __init__(self, flags: Sequence[str] = (), *, startup_timeout: float = 120.0, env: Optional[dict] = None):
-        self.flags = list(flags)
+        log = tempfile.NamedTemporaryFile("w", prefix="rollout-serve-", suffix=".log", delete=False)
+        log.close()
+        self._server = LocalServer(["--log-level", "warning", *flags], Path(log.name),
+                                   env={"OMP_NUM_THREADS": "2", **(env or {})})
         self.startup_timeout = startup_timeout
-        self.env = env
-        self.url = ""
-        self.proc: Optional[subprocess.Popen] = None
-        self._log = None
 
-    def start(self) -> "ServerProcess":
-        self._log = tempfile.NamedTemporaryFile("w+", prefix="rollout-serve-", suffix=".log", delete=False)
-        env = dict(os.environ)
-        env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-        env.setdefault("TOKENIZERS_PARALLELISM", "false")
-        env.setdefault("HF_HUB_OFFLINE", "1")
-        env.setdefault("OMP_NUM_THREADS", "2")
-        env.update(self.env or {})
-        cmd = _serve_command() + ["--host", "127.0.0.1", "--port", "0", "--log-level", "warning"] + self.flags
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, cwd=str(ROOT), env=env,
-                                     start_new_session=True)
-        deadline = time.monotonic() + self.startup_timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"rollout-serve exited with {self.proc.returncode}:\n{self.log()}")
-            m = _LISTENING.search(self.log())
-            if m:
-                self.url = m.group(1)
-                break
-            time.sleep(0.05)
-        else:
-            self.stop()
-            raise RuntimeError(f"rollout-serve did not start in {self.startup_timeout}s:\n{self.log()}")
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.05)
-        self.stop()
-        raise RuntimeError(f"rollout-serve /health never answered:\n{self.log()}")
-
-    def log(self) -> str:
-        if self._log is None:
-            return ""
-        return Path(self._log.name).read_text(errors="replace")
+    @property
+    def url(self) -> str:
+        return self._server.url
 
     @property
     def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
+        return self._server.alive
 
-    def stop(self, timeout: float = 20.0) -> Optional[int]:
-        if self.proc is None:
-            return None
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(5)
-        return self.proc.returncode
+    def log(self) -> str:
+        return self._server.log()
+
+    def start(self) -> "ServerProcess":
+        self._server.spawn()
+        deadline = time.monotonic() + self.startup_timeout
+        try:
+            while not self._server.poll_ready():
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"rollout-serve not ready in {self.startup_timeout}s:\n{self.log()}")
+                time.sleep(0.05)
+        except BaseException:
+            self._server.stop()
+            raise
+        return self
+
+    def stop(self) -> None:
+        self._server.stop()
 
     def __enter__(self) -> "ServerProcess":
         return self.start()
 
     def __exit__(self, *exc) -> None:
         self.stop()
-        if self._log is not None:
-            self._log.close()
-            os.unlink(self._log.name)
-            self._log = None
+        self._server.log_path.unlink(missing_ok=True)
 
 
 def wait_idle(client: httpx.Client, timeout: float = 30.0) -> dict:
