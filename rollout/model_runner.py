@@ -18,7 +18,7 @@ from rollout.kv_pool import KVPool
 from rollout.runners.capture_profiler import GraphCaptureProfiler, Variant, variant_product
 from rollout.runners.decode_graph_runner import DecodeGraphRunner
 from rollout.runners.eager_runner import EagerRunner
-from rollout.runners.graph_backend import CudaGraphBackend, GraphBackend
+from rollout.runners.graph_backend import CudaGraphBackend, GraphBackend, GraphMemoryPool
 from rollout.runners.piecewise_backend import PiecewiseBackend
 from rollout.runners.prefill_graph_runner import PrefillGraphRunner
 from rollout.runners.runner_plan import DECODE, EAGER, PREFILL, RankShape, RunnerPlan
@@ -53,17 +53,18 @@ class ModelRunner:
             static_grid = use_cuda_graphs
         if static_grid and seq_capacity is None:
             raise ValueError("a static attention grid needs seq_capacity (the context length)")
+        self.graph_pool = GraphMemoryPool()  # every CUDA graph of this runner (decode and prefill)
         common = dict(model=model, kv_pool=kv_pool, device=device, capture_buffer=capture_buffer, ep_group=ep_group)
         self.runners: dict[str, Any] = {EAGER: EagerRunner(**common)}
         if limits.decode_graph_batch_sizes:
-            backend = CudaGraphBackend(model) if use_cuda_graphs else GraphBackend(model)
+            backend = CudaGraphBackend(model, self.graph_pool) if use_cuda_graphs else GraphBackend(model)
             self.runners[DECODE] = DecodeGraphRunner(
                 sizes=limits.decode_graph_batch_sizes, backend=backend, dp_size=limits.dp_size,
                 tokens_per_step=limits.tokens_per_decode_step,
                 seq_capacity=seq_capacity if static_grid else None, **common)
         if limits.prefill_graph_token_sizes:
             backend = PiecewiseBackend(model, max_tokens=max(limits.prefill_graph_token_sizes), device=device,
-                                       use_graphs=use_cuda_graphs)
+                                       use_graphs=use_cuda_graphs, pool=self.graph_pool)
             self.runners[PREFILL] = PrefillGraphRunner(
                 sizes=limits.prefill_graph_token_sizes, backend=backend, dp_size=limits.dp_size, **common)
         self.variants: list[Variant] = variant_product(variant_axes)
@@ -74,7 +75,8 @@ class ModelRunner:
         """Captures every static runner's buckets (x every variant): CUDA graphs on GPU; on CPU only
         with a profiler (then each capture is a warm-up forward of that bucket's static buffers)."""
         profiler = profiler or GraphCaptureProfiler(None)
-        for name in (DECODE, PREFILL):
+        # NOTE: prefill buckets (hundreds of tokens) first: smaller graphs reuse their pool memory
+        for name in (PREFILL, DECODE):
             runner = self.runners.get(name)
             if runner is not None and (runner.backend.uses_graphs or profiler.enabled):
                 runner.capture(profiler, self.variants, self.dp_rank)

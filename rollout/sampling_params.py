@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
 GREEDY_TEMPERATURE = 1e-6  # temperatures below this mean greedy (SGLang's convention)

@@ -18,6 +18,18 @@ def variant_label(variant: tuple[tuple[str, str], ...]) -> str:
     return ",".join(f"{axis}={value}" for axis, value in variant)
 
 
+class GraphMemoryPool:
+    """The CUDA graph memory pool every graph of one ModelRunner is captured into (none yet:
+    the first capture creates it). Graphs never replay concurrently, so they can share it."""
+
+    def __init__(self) -> None:
+        self.handle: Any = None
+
+    def adopt(self, graph: "torch.cuda.CUDAGraph") -> None:
+        if self.handle is None:
+            self.handle = graph.pool()
+
+
 class GraphBackend:
     """No graphs: "capture" is a warm-up forward over the static buffers; run is a plain forward."""
 
@@ -38,15 +50,15 @@ class GraphBackend:
 
 
 class CudaGraphBackend(GraphBackend):
-    """One torch.cuda.CUDAGraph per key, all in one memory pool; capture the largest bucket first
-    so the smaller ones reuse its memory."""
+    """One torch.cuda.CUDAGraph per key, all in the runner's memory pool; capture the largest
+    bucket first so the smaller ones reuse its memory."""
 
     uses_graphs = True
     WARMUP_RUNS = 2
 
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, pool: GraphMemoryPool):
         super().__init__(model)
-        self.pool: Any = None
+        self.pool = pool
         self.graphs: dict[Hashable, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
     @torch.inference_mode()
@@ -62,10 +74,9 @@ class CudaGraphBackend(GraphBackend):
                     self.model(fb)
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
+            with torch.cuda.graph(graph, pool=self.pool.handle):
                 out = self.model(fb)
-        if self.pool is None:
-            self.pool = graph.pool()
+            self.pool.adopt(graph)
         self.graphs[key] = (graph, out)
         self.captured.add(key)
 

@@ -20,19 +20,20 @@ eagerly on the rows of the requests' last tokens only.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Hashable
+from typing import Callable, Hashable, Optional
 
 import torch
 from torch.profiler import record_function
 
 from rollout.forward_batch import ForwardBatch
-from rollout.runners.graph_backend import variant_label
+from rollout.runners.graph_backend import GraphMemoryPool, variant_label
 
 
 class PiecewiseBackend:
     WARMUP_RUNS = 2
 
-    def __init__(self, model: torch.nn.Module, *, max_tokens: int, device: torch.device, use_graphs: bool):
+    def __init__(self, model: torch.nn.Module, *, max_tokens: int, device: torch.device, use_graphs: bool,
+                 pool: Optional[GraphMemoryPool] = None):
         self.model = model
         self.uses_graphs = use_graphs
         spec = model.spec
@@ -48,7 +49,7 @@ class PiecewiseBackend:
         self.cos, self.sin = buf(max_tokens, 1, head_dim), buf(max_tokens, 1, head_dim)
         self.captured: set[Hashable] = set()
         self.graphs: dict[Hashable, list[torch.cuda.CUDAGraph]] = {}
-        self.pool: Any = None
+        self.pool = pool or GraphMemoryPool()
 
     @property
     def num_layers(self) -> int:
@@ -112,10 +113,9 @@ class PiecewiseBackend:
             graphs = []
             for piece in pieces:  # nothing runs while capturing: the attention cores are not needed
                 graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self.pool):
+                with torch.cuda.graph(graph, pool=self.pool.handle):
                     piece()
-                if self.pool is None:
-                    self.pool = graph.pool()
+                self.pool.adopt(graph)
                 graphs.append(graph)
         self.graphs[key] = graphs
         self.captured.add(key)
