@@ -1,7 +1,6 @@
 """Abort at every stage (waiting, prefilling, decoding) frees every slot and returns partial output."""
 import random
 
-
 from rollout.config import DEFAULT_MODEL_PATH, EngineConfig
 from rollout.engine_core import EngineCore
 from rollout.request import Req
