@@ -33,7 +33,7 @@ class ForwardBatch:
     # hidden states by it before each MoE layer (both None on a single rank).
     layout: Optional[Any] = None
     ep_group: Optional[Any] = None
-    graph_safe: bool = False         # no host syncs (CUDA graph capture): MoE takes its dense path
+    graph_safe: bool = False         # no host syncs (CUDA graph capture): see FusedExperts.choose_impl
 
     @property
     def num_tokens(self) -> int:

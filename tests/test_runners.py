@@ -184,22 +184,35 @@ def test_piecewise_prefill_equals_one_forward(tiny_checkpoint, arch, overrides):
         assert torch.equal(a, b)
 
 
-def test_dense_moe_path_matches_sparse():
-    """The graph-safe (no host sync) expert path equals the sparse one, over any expert range."""
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.bfloat16, 0.1)])
+def test_moe_expert_paths_agree(dtype, atol):
+    """The grouped-GEMM path (no host sync), the per-expert loop and the dense graph-safe path give
+    the same output over any expert range, on a whole module and on an expert shard."""
     torch.manual_seed(0)
-    experts = FusedExperts(hidden_size=16, intermediate_size=8, num_experts=6)
+    full = FusedExperts(hidden_size=16, intermediate_size=8, num_experts=6)
     with torch.no_grad():
-        experts.w13.normal_()
-        experts.w2.normal_()
-    x = torch.randn(11, 16)
+        full.w13.normal_(std=0.3)
+        full.w2.normal_(std=0.3)
+    shard = FusedExperts(hidden_size=16, intermediate_size=8, num_experts=6)
+    shard.shard(2, 5)
+    with torch.no_grad():
+        shard.w13.copy_(full.w13[2:5])
+        shard.w2.copy_(full.w2[2:5])
+    full, shard = full.to(dtype), shard.to(dtype)
+    x = torch.randn(11, 16, dtype=dtype)
     ids = torch.stack([torch.randperm(6)[:2] for _ in range(11)])
     w = torch.rand(11, 2)
-    for rng in (None, (0, 3), (3, 6), (2, 2)):
-        sparse = experts(x, w, ids, experts=rng)
-        dense = experts(x, w, ids, experts=rng, dense=True)
-        assert torch.allclose(sparse, dense, atol=1e-5), rng
-    parts = experts(x, w, ids, experts=(0, 3)) + experts(x, w, ids, experts=(3, 6))
-    assert torch.allclose(parts, experts(x, w, ids), atol=1e-5)
+    assert FusedExperts.choose_impl(x, graph_safe=True) == "grouped"          # CPU: torch has it
+    for module, ranges in ((full, (None, (0, 3), (3, 6), (2, 2), (1, 5))), (shard, (None, (2, 4), (4, 5)))):
+        for rng in ranges:
+            ref = module(x, w, ids, experts=rng, impl="loop").float()
+            for impl in ("grouped", "dense"):
+                got = module(x, w, ids, experts=rng, impl=impl).float()
+                assert torch.allclose(got, ref, atol=atol), (impl, rng, (got - ref).abs().max())
+    parts = full(x, w, ids, experts=(0, 2)) + shard(x, w, ids) + full(x, w, ids, experts=(5, 6))
+    assert torch.allclose(parts.float(), full(x, w, ids).float(), atol=atol)
+    with pytest.raises(ValueError, match=r"experts \[1, 4\) are not all held here \(\[2, 5\)\)"):
+        shard(x, w, ids, experts=(1, 4))
 
 
 def test_routed_dp_rank_validated(tiny_checkpoint):

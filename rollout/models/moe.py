@@ -45,19 +45,55 @@ class FusedExperts(nn.Module):
         self.expert_lo, self.expert_hi = lo, hi
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                experts: tuple[int, int] | None = None, dense: bool = False) -> torch.Tensor:
+                experts: tuple[int, int] | None = None, graph_safe: bool = False,
+                impl: str | None = None) -> torch.Tensor:
         """x [N, H], topk_weights float32 [N, K], topk_ids int64 [N, K] (global ids) -> [N, H] in x.dtype.
 
         Only the experts this module holds contribute (expert parallel: the other ranks add theirs).
-        experts: [lo, hi) to narrow that further (default: all held). dense: no host sync (CUDA
-        graph capture): every expert in range runs over every row, weighted by zero where it was
-        not picked.
+        experts: [lo, hi) to narrow that further (default: all held). graph_safe: no host syncs
+        (CUDA graph capture). impl: force "grouped", "loop" or "dense" (default: choose_impl).
         """
         lo, hi = experts if experts is not None else (self.expert_lo, self.expert_hi)
         if not self.expert_lo <= lo <= hi <= self.expert_hi:
             raise ValueError(f"experts [{lo}, {hi}) are not all held here ([{self.expert_lo}, {self.expert_hi}))")
-        if dense:
-            return self._forward_dense(x, topk_weights, topk_ids, lo, hi)
+        if lo == hi:
+            return torch.zeros_like(x)
+        impl = impl or self.choose_impl(x, graph_safe)
+        run = {"grouped": self._forward_grouped, "loop": self._forward_loop, "dense": self._forward_dense}[impl]
+        return run(x, topk_weights, topk_ids, lo, hi)
+
+    @staticmethod
+    def choose_impl(x: torch.Tensor, graph_safe: bool) -> str:
+        """"grouped" (torch's grouped GEMM: two kernels for all experts, no host sync) where torch
+        has it for x's device and dtype (CPU; CUDA bf16 on SM80+); else the per-expert "loop"
+        (reads the expert counts on the host), or "dense" (every held expert over every row; no
+        host sync) when graph_safe."""
+        if hasattr(F, "grouped_mm") and (x.device.type == "cpu" or (
+                x.device.type == "cuda" and x.dtype == torch.bfloat16
+                and torch.cuda.get_device_capability(x.device) >= (8, 0))):
+            return "grouped"
+        return "dense" if graph_safe else "loop"
+
+    def _forward_grouped(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                         lo: int, hi: int) -> torch.Tensor:
+        k = topk_ids.shape[1]
+        flat_ids = topk_ids.reshape(-1)                                    # [N*K]
+        held = (flat_ids >= lo) & (flat_ids < hi)
+        group = torch.where(held, flat_ids - lo, hi - lo)                  # experts not in range: last
+        order = torch.argsort(group, stable=True)                          # [N*K] grouped by expert
+        ends = torch.cumsum(torch.bincount(group, minlength=hi - lo + 1)[:hi - lo], 0, dtype=torch.int32)
+        token_of = order // k                                              # [N*K] token row
+        first = lo - self.expert_lo
+        # NOTE: rows past ends[-1] (other experts) are left undefined by grouped_mm: masked below
+        gate, up = F.grouped_mm(x[token_of], self.w13[first:first + hi - lo].transpose(1, 2),
+                                offs=ends).chunk(2, dim=-1)                # [N*K, I] each
+        y = F.grouped_mm(F.silu(gate) * up, self.w2[first:first + hi - lo].transpose(1, 2), offs=ends)
+        y = y * topk_weights.reshape(-1)[order, None].to(y.dtype)          # [N*K, H], as in _forward_loop
+        y = torch.where(held[order, None], y, 0)
+        return torch.zeros_like(x).index_add_(0, token_of, y)
+
+    def _forward_loop(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                      lo: int, hi: int) -> torch.Tensor:
         n, k = topk_ids.shape
         out = torch.zeros_like(x)
         flat_ids = topk_ids.reshape(-1)                                    # [N*K]
@@ -115,7 +151,7 @@ class SparseMoE(nn.Module):
         if ep is None:
             topk_weights, topk_ids = softmax_topk(self.gate(x), self.top_k, self.renormalize,
                                                   capture=fb.capture, layer_id=self.layer_id)
-            out = self.experts(x, topk_weights, topk_ids, dense=fb.graph_safe)
+            out = self.experts(x, topk_weights, topk_ids, graph_safe=fb.graph_safe)
         else:
             # DP attention: route every rank's tokens (gathered by the executing runner's layout, so
             # the capture buffer rows sit where the capturer slices them), compute this rank's
@@ -125,7 +161,7 @@ class SparseMoE(nn.Module):
             x_all = ep.gather(x, fb.layout)                                # [layout.total_rows, H]
             topk_weights, topk_ids = softmax_topk(self.gate(x_all), self.top_k, self.renormalize,
                                                   capture=fb.capture, layer_id=self.layer_id)
-            partial = self.experts(x_all, topk_weights, topk_ids, dense=fb.graph_safe)  # this rank's experts
+            partial = self.experts(x_all, topk_weights, topk_ids, graph_safe=fb.graph_safe)  # own experts
             out = ep.reduce_own(partial, fb.layout)                        # [N, H]
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)

@@ -64,7 +64,7 @@ class CudaGraphBackend(GraphBackend):
     @torch.inference_mode()
     def capture(self, key: Hashable, fb: ForwardBatch, variant: tuple[tuple[str, str], ...] = ()) -> None:
         assert key not in self.graphs, key
-        # NOTE: no host syncs inside a graph: the MoE takes its dense path (no bincount().tolist()).
+        # NOTE: no host syncs inside a graph: the MoE takes a sync-free path (FusedExperts.choose_impl).
         fb = dataclasses.replace(fb, graph_safe=True)
         with record_function(f"graph_variant[{variant_label(variant)}]"):
             stream = torch.cuda.Stream()

@@ -101,7 +101,7 @@ class PiecewiseBackend:
                 self.captured.add(key)
                 return
             assert key not in self.graphs, key
-            # NOTE: no host syncs inside a graph: the MoE takes its dense path (no bincount().tolist()).
+            # NOTE: no host syncs inside a graph: the MoE takes a sync-free path (FusedExperts.choose_impl).
             fb = dataclasses.replace(fb, graph_safe=True)
             pieces = self.pieces(fb)
             stream = torch.cuda.Stream()
