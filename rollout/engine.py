@@ -89,25 +89,43 @@ class Rollout:
             raise ValueError("pass either config or model_path/keyword settings, not both")
         self.config = config
         config.check_devices()
-        if config.dp_size > 1:
-            from rollout.dp_coordinator import DPCoordinator  # noqa: PLC0415 (imports this module)
-
-            self._core = DPCoordinator(config)
-        else:
-            self._core = EngineCore(config)
-        self.info = self._core.info
-        self.tokenizer = self._core.tokenizer
-        self._rng = random.Random(config.seed)
         self._lock = threading.Lock()
         self._inflight: dict[str, Callable[[Any], None]] = {}
         self._groups: dict[str, list[str]] = {}
         self._cmds: "queue.Queue[Callable[[], None]]" = queue.Queue()
         self._stopping = False
         self._error: Optional[BaseException] = None
-        self._thread = threading.Thread(target=self._loop, name="rollout-engine", daemon=True)
+        self._core: Any = None
+        ready: Future = Future()
+        self._thread = threading.Thread(target=self._run, args=(ready,), name="rollout-engine", daemon=True)
         self._thread.start()
+        ready.result()  # NOTE: a failed start raises its error here (a ValueError names the field)
+        self.info = self._core.info
+        self.tokenizer = self._core.tokenizer
+        self._rng = random.Random(config.seed)
 
     # ---- engine thread -------------------------------------------------------------------------
+    def _run(self, ready: Future) -> None:
+        """The engine thread: builds the engine, then steps it until shutdown.
+
+        NOTE: the engine is built here, not in the caller's thread. libgomp (torch's OpenMP on
+        Linux) throttles its spin-waits in every thread pool once more OpenMP threads exist than
+        CPUs; a model loaded in the caller's thread leaves an OpenMP pool there for good, and a
+        forward stepped in this thread then ran ~3x slower on a 2-core machine.
+        """
+        try:
+            if self.config.dp_size > 1:
+                from rollout.dp_coordinator import DPCoordinator  # noqa: PLC0415 (imports this module)
+
+                self._core = DPCoordinator(self.config)
+            else:
+                self._core = EngineCore(self.config)
+        except BaseException as exc:  # noqa: BLE001 (raised in the caller by ready.result())
+            ready.set_exception(exc)
+            return
+        ready.set_result(None)
+        self._loop()
+
     def _loop(self) -> None:
         core = self._core
         try:

@@ -98,6 +98,8 @@ def _pieces(name: str, experts: tuple[int, int, int] | None,
 def _listing(items: list[str]) -> str:
     more = f"\n  ... and {len(items) - _MAX_LISTED} more" if len(items) > _MAX_LISTED else ""
     return "\n  " + "\n  ".join(items[:_MAX_LISTED]) + more
+
+
 def plan(model: nn.Module, shapes: dict[str, tuple[int, ...]], *, require_all: bool,
          source: str = "checkpoint") -> dict[str, Target]:
     """Validate every checkpoint name/shape against the model before anything is copied.

@@ -81,7 +81,9 @@ class FusedExperts(nn.Module):
         held = (flat_ids >= lo) & (flat_ids < hi)
         group = torch.where(held, flat_ids - lo, hi - lo)                  # experts not in range: last
         order = torch.argsort(group, stable=True)                          # [N*K] grouped by expert
-        ends = torch.cumsum(torch.bincount(group, minlength=hi - lo + 1)[:hi - lo], 0, dtype=torch.int32)
+        # NOTE: group ends by searchsorted, not bincount (CUDA bincount reads the max on the host)
+        ends = torch.searchsorted(group[order], torch.arange(hi - lo, device=group.device), right=True,
+                                  out_int32=True)                          # [E_range] int32
         token_of = order // k                                              # [N*K] token row
         first = lo - self.expert_lo
         # NOTE: rows past ends[-1] (other experts) are left undefined by grouped_mm: masked below
