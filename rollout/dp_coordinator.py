@@ -129,7 +129,19 @@ class DPCoordinator:
                 r = sentinels[s]
                 if not (r == rank and conn.poll()):
                     self._procs[r].join(timeout=1.0)
-                    self._die(f"DP rank {r} exited with code {self._procs[r].exitcode}")
+                    self._die(self._last_words(r) or f"DP rank {r} exited with code {self._procs[r].exitcode}")
+
+    def _last_words(self, rank: int) -> Optional[str]:
+        """The fatal report a dead rank left in its pipe (its traceback), if any."""
+        conn = self._conns[rank]
+        try:
+            while conn.poll():
+                msg = conn.recv()
+                if msg[0] == "fatal":
+                    return msg[1]
+        except (EOFError, OSError):
+            pass
+        return None
 
     def _send(self, rank: int, msg: tuple) -> None:
         try:

@@ -64,10 +64,8 @@ class ForwardBatch:
         assert bsz == len(prefix_lens) == len(req_slots) and bsz > 0
         seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
         max_seq, max_ext = max(seq_lens), max(extend_lens)
-        kv_indices = torch.full((bsz, max_seq), SINK_SLOT, dtype=torch.int64)
-        for b, slots in enumerate(req_slots):
-            assert slots.numel() == seq_lens[b]
-            kv_indices[b, : seq_lens[b]] = slots
+        assert all(slots.numel() == n for slots, n in zip(req_slots, seq_lens))
+        kv_indices = torch.nn.utils.rnn.pad_sequence(list(req_slots), batch_first=True, padding_value=SINK_SLOT)
         ext = torch.tensor(extend_lens, dtype=torch.int64)
         pre = torch.tensor(prefix_lens, dtype=torch.int64)
         req_of_token = torch.repeat_interleave(torch.arange(bsz), ext)              # [N]

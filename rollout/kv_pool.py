@@ -49,8 +49,9 @@ class KVPool:
 
     def write(self, layer_id: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v: [num_tokens, num_kv_heads, head_dim] written at slots [num_tokens]."""
-        self.k_buffers[layer_id][slots] = k.to(self.dtype)
-        self.v_buffers[layer_id][slots] = v.to(self.dtype)
+        # NOTE: padding tokens all write the sink slot: whichever wins, it holds finite values
+        self.k_buffers[layer_id].index_copy_(0, slots, k.to(self.dtype))
+        self.v_buffers[layer_id].index_copy_(0, slots, v.to(self.dtype))
 
     def check_integrity(self) -> None:
         free = self._free

@@ -87,7 +87,7 @@ class FusedExperts(nn.Module):
         token_of = order // k                                              # [N*K] token row
         first = lo - self.expert_lo
         # NOTE: rows past ends[-1] (other experts) are left undefined by grouped_mm: masked below
-        gate, up = F.grouped_mm(x[token_of], self.w13[first:first + hi - lo].transpose(1, 2),
+        gate, up = F.grouped_mm(x.index_select(0, token_of), self.w13[first:first + hi - lo].transpose(1, 2),
                                 offs=ends).chunk(2, dim=-1)                # [N*K, I] each
         y = F.grouped_mm(F.silu(gate) * up, self.w2[first:first + hi - lo].transpose(1, 2), offs=ends)
         y = y * topk_weights.reshape(-1)[order, None].to(y.dtype)          # [N*K, H], as in _forward_loop
