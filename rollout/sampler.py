@@ -1,8 +1,9 @@
 """Sampler: picks each request's next token from fp32 logits and computes its logprobs.
 
-Randomness is counter-based: the noise for (seed, position, token) is a hash of those three
-numbers, so a sampled token depends only on the request's seed and position, never on the other
-requests in the batch or on how often the engine stepped (retraction resumes exactly).
+Randomness is counter-based: one uniform number per (seed, position), a hash of the two, picks
+the token by inverse CDF of the processed distribution. So a sampled token depends only on the
+request's seed, position and logits, never on the other requests in the batch or on how often
+the engine stepped (retraction resumes exactly).
 """
 from __future__ import annotations
 
@@ -25,15 +26,22 @@ def _fmix32(h: torch.Tensor) -> torch.Tensor:
     return h ^ (h >> 16)
 
 
-def counter_uniform(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
-    """Uniform(0, 1) noise [B, vocab] float32 from (seed [B], position [B], token id)."""
+def counter_uniform(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Uniform(0, 1) noise [B] float64 from (seed [B], position [B]): 53 hashed bits, never 0 or 1."""
     lo, hi = seeds & _M32, (seeds >> 32) & _M32
-    row = _fmix32(_fmix32(positions & _M32) ^ lo)                              # [B]
-    row = _fmix32((row + hi * 0x27D4EB2F) & _M32)[:, None]                     # [B, 1]
-    tok = (torch.arange(vocab, dtype=torch.int64) * 0x9E3779B1) & _M32         # [vocab]
-    h = _fmix32(tok[None, :] ^ row)                                            # [B, vocab]
-    # NOTE: 24 bits, so (h + 0.5) / 2^24 is exact in float32 and never 0 or 1.
-    return ((h >> 8).to(torch.float32) + 0.5) * (1.0 / 16777216.0)
+    h1 = _fmix32(_fmix32(positions & _M32) ^ lo)
+    h1 = _fmix32((h1 + hi * 0x27D4EB2F) & _M32)
+    h2 = _fmix32((h1 + 0x9E3779B9) & _M32)
+    bits = ((h1 >> 6) << 27) | (h2 >> 5)                                       # 26 + 27 bits
+    return (bits.to(torch.float64) + 0.5) * (1.0 / 2.0**53)
+
+
+def inverse_cdf(logprobs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Token ids [B]: row b's first token whose cumulative probability exceeds u[b] (exact
+    sampling from exp(logprobs); tokens at -inf are never picked). Rows are independent."""
+    cdf = torch.cumsum(torch.exp(logprobs.to(torch.float64)), dim=-1)           # [B, V]
+    target = (u * cdf[:, -1])[:, None]                                           # [B, 1]
+    return torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=logprobs.shape[1] - 1)
 
 
 @dataclass(frozen=True)
@@ -109,10 +117,8 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams], seeds: Sequen
         next_ids = torch.argmax(logits, dim=-1)
     else:
         u = counter_uniform(torch.tensor(list(seeds), dtype=torch.int64),
-                            torch.tensor(list(positions), dtype=torch.int64), vocab)
-        # exponential race: argmax p / E with E ~ Exp(1) samples from p exactly (Gumbel-max).
-        race = processed_lp - torch.log(-torch.log(u))
-        next_ids = torch.where(greedy, torch.argmax(logits, dim=-1), torch.argmax(race, dim=-1))
+                            torch.tensor(list(positions), dtype=torch.int64))
+        next_ids = torch.where(greedy, torch.argmax(logits, dim=-1), inverse_cdf(processed_lp, u))
     modes = {p.logprob_mode for p in params}
     per_mode = {}
     if "raw" in modes:

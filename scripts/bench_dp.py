@@ -3,8 +3,9 @@
 Workload: P prompts of 32-128 tokens, n samples each, per-sample max_new_tokens drawn from
 [min_new, max_new], ignore_eos, return_logprob and return_routed_experts. Each configuration
 (dp_size x runner: eager only, or static-shape runners with eager for what no bucket fits) runs the
-same requests `repeats` times, interleaved across configurations, prefix cache flushed before each
-run; it reports output tokens/s of the median run and the forwards each runner executed.
+same requests `repeats` times, interleaved across configurations, each run on a freshly started
+engine (one alive at a time); it reports output tokens/s of the median run, the forwards each
+runner executed and the expert weights each rank holds.
 
   python scripts/bench_dp.py                      # dp 1 and 2, eager and static runners
   python scripts/bench_dp.py --dp-sizes 1 --json out.json
@@ -85,29 +86,32 @@ def main(argv=None) -> None:
     print(f"workload: {args.prompts} prompts x n={args.n}, {args.min_new}-{args.max_new} new tokens, "
           f"{total} output tokens; capture on; torch {torch.__version__}, {os.cpu_count()} CPUs")
     configs = [(int(dp), static) for dp in args.dp_sizes.split(",") for static in (False, True)]
-    engines = {}
-    try:
+    # NOTE: one engine alive at a time, started fresh for every run (startup is timed apart).
+    # Each engine thread has its own OpenMP pool, and libgomp throttles every pool once more
+    # OpenMP threads exist than CPUs, so engines alive side by side would slow each other.
+    # Runs still interleave across configurations, so drifting load hits all alike.
+    times: dict = {c: [] for c in configs}
+    startups: dict = {c: [] for c in configs}
+    forwards: dict = {}
+    expert_bytes: dict = {}
+    for _ in range(args.repeats):
         for dp, static in configs:
             engine, startup = start_engine(args.model_path, dp, static)
-            engine.generate(input_ids=input_ids[:4], sampling_params=params[:4], return_routed_experts=True)
-            engines[(dp, static)] = (engine, startup, max(ld["expert_weight_bytes"] for ld in engine.loads()))
-        # NOTE: runs interleave across configurations, so drifting load on a shared machine hits all alike
-        times: dict = {c: [] for c in configs}
-        forwards: dict = {}
-        for _ in range(args.repeats):
-            for c in configs:
-                dt, forwards[c] = run_once(engines[c][0], input_ids, params)
-                times[c].append(dt)
-    finally:
-        for engine, *_ in engines.values():
-            engine.shutdown()
+            try:
+                engine.generate(input_ids=input_ids[:4], sampling_params=params[:4], return_routed_experts=True)
+                expert_bytes[(dp, static)] = max(ld["expert_weight_bytes"] for ld in engine.loads())
+                dt, forwards[(dp, static)] = run_once(engine, input_ids, params)
+            finally:
+                engine.shutdown()
+            times[(dp, static)].append(dt)
+            startups[(dp, static)].append(startup)
     results = []
     for dp, static in configs:
         dt = statistics.median(times[(dp, static)])
         results.append({"dp_size": dp, "runner": "static" if static else "eager", "tok_s": total / dt, "seconds": dt,
                         "runs_s": times[(dp, static)], "runner_forwards": forwards[(dp, static)],
-                        "startup_s": engines[(dp, static)][1], "output_tokens": total,
-                        "expert_bytes_per_rank": engines[(dp, static)][2]})
+                        "startup_s": statistics.median(startups[(dp, static)]), "output_tokens": total,
+                        "expert_bytes_per_rank": expert_bytes[(dp, static)]})
     base = results[0]["tok_s"]
     print("\n| dp_size | runner | output tok/s | vs dp=1 eager | forwards by runner (all ranks) | startup s "
           "| expert weights per rank |")

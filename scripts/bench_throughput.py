@@ -134,7 +134,7 @@ def main(argv=None) -> None:
     ap.add_argument("--model-path", default=DEFAULT_MODEL_PATH)
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--n", type=int, default=8)
-    ap.add_argument("--repeats", type=int, default=3, help="alternating engine runs (capture off/on)")
+    ap.add_argument("--repeats", type=int, default=3, help="engine runs each with capture off and on, alternating (fresh engine per run)")
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--json", metavar="PATH")
     args = ap.parse_args(argv)
@@ -146,19 +146,19 @@ def main(argv=None) -> None:
     total = sum(sum(m) for m in max_news)
     print(f"workload: {args.prompts} prompts x n={args.n}, {total} output tokens")
 
-    off = Rollout(args.model_path)
-    on = Rollout(args.model_path, enable_return_routed_experts=True)
-    run_engine(off, prompts[:2], [m[:2] for m in max_news[:2]], False)   # warm-up
-    run_engine(on, prompts[:2], [m[:2] for m in max_news[:2]], True)
+    # NOTE: one engine alive at a time. Each engine thread has its own OpenMP pool, and libgomp
+    # throttles every pool once more OpenMP threads exist than CPUs: two engines alive at once
+    # (or heavy torch work in another thread) would slow both.
     t_off, t_on = [], []
     for _ in range(args.repeats):
-        t_off.append(run_engine(off, prompts, max_news, False)[0])
-        t_on.append(run_engine(on, prompts, max_news, True)[0])
-    off.shutdown()
-    on.shutdown()
+        for capture, times in ((False, t_off), (True, t_on)):
+            with Rollout(args.model_path, enable_return_routed_experts=capture) as engine:
+                run_engine(engine, prompts[:2], [m[:2] for m in max_news[:2]], capture)   # warm-up
+                times.append(run_engine(engine, prompts, max_news, capture)[0])
     tps_off, tps_on = total / statistics.median(t_off), total / statistics.median(t_on)
     res["engine_tok_s"], res["engine_capture_tok_s"] = tps_off, tps_on
     res["capture_on_off_ratio"] = tps_on / tps_off
+    res["engine_runs_s"], res["engine_capture_runs_s"] = t_off, t_on
     if not args.skip_hf:
         dt, useful = run_hf(args.model_path, prompts, max_news)
         res["hf_tok_s"] = useful / dt
