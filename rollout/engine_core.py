@@ -9,6 +9,7 @@ import torch
 from capture.buffer_sizing import ForwardShapeLimits, capture_buffer_rows
 from capture.capturer import RoutedExpertsCapturer
 from rollout.config import EngineConfig
+from rollout.host_malloc import tune_glibc_malloc
 from rollout.kv_pool import KVPool
 from rollout.model_runner import ModelRunner
 from rollout.models.moe import FusedExperts
@@ -38,6 +39,8 @@ class EngineCore:
         self.ep_group = ep_group
         self.dp_rank = ep_group.rank if ep_group is not None else 0
         self.device = torch.device(cfg.device)
+        if self.device.type == "cpu":
+            tune_glibc_malloc()  # NOTE: CPU forwards in a fresh process ran ~2x slower without it
         self.tokenizer = Tokenizer(cfg.resolved_tokenizer_path)
         self.model, _ = load_model(cfg.model_path, cfg.dtype, self.device,
                                    expert_shard=(ep_group.rank, ep_group.size) if ep_group is not None else None)
