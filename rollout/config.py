@@ -89,6 +89,7 @@ class EngineConfig:
     graph_variant_axes: tuple[tuple[str, tuple[str, ...]], ...] = ()
     seed: int = 0
     weight_version: str = "default"
+    stream_interval: int = 1                      # streaming: tokens per chunk unless a request sets it
 
     def __post_init__(self) -> None:
         if not isinstance(self.model_path, str) or not self.model_path:
@@ -110,6 +111,7 @@ class EngineConfig:
                              f"got {self.profile_graph_capture_dir!r}")
         object.__setattr__(self, "graph_variant_axes", _variant_axes(self.graph_variant_axes))
         _positive_int("seed", self.seed, minimum=0)
+        _positive_int("stream_interval", self.stream_interval)
         for name in ("enable_prefix_caching", "enable_return_routed_experts", "enable_profile_graph_capture"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a boolean, got {getattr(self, name)!r}")

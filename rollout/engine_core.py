@@ -195,7 +195,8 @@ class EngineCore:
             reason = self._check_finish(req, tok)
             if reason is not None:
                 self._finish(req, reason)
-            elif req.stream:
+            elif req.stream and len(req.output_ids) - req.sent_tokens >= (
+                    req.params.stream_interval or self.cfg.stream_interval):
                 self._emit_chunk(req, finished=False)
 
     def _banned_ids(self, req: Req) -> list[int]:

@@ -51,6 +51,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logprob_mode: str = "scaled"
+    stream_interval: Optional[int] = None   # streaming: tokens per chunk (None: the engine's default)
 
     def __post_init__(self) -> None:
         _check_number("temperature", self.temperature, 0.0, 100.0)
@@ -69,6 +70,8 @@ class SamplingParams:
         _check_number("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
         _check_number("presence_penalty", self.presence_penalty, -2.0, 2.0)
         _check_number("repetition_penalty", self.repetition_penalty, 0.0, 2.0, lo_open=True)
+        if self.stream_interval is not None:
+            _check_number("stream_interval", self.stream_interval, 1, 2**31 - 1, integer=True)
         for name in ("ignore_eos", "no_stop_trim", "skip_special_tokens", "spaces_between_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a boolean, got {getattr(self, name)!r}")

@@ -48,12 +48,11 @@ GENERATE_IGNORED = {"log_metrics", "bootstrap_host", "bootstrap_port", "bootstra
                     "stream_output"}
 GENERATE_ONLY_NULL = {"lora_path", "lora_id", "custom_logit_processor", "image_data", "video_data", "audio_data",
                       "input_embeds", "session_params", "token_ids_logprob", "modalities", "return_hidden_states"}
-SAMPLING_ONLY_NULL = {"json_schema", "regex", "ebnf", "structural_tag", "custom_params", "logit_bias",
-                      "stream_interval"}
+SAMPLING_ONLY_NULL = {"json_schema", "regex", "ebnf", "structural_tag", "custom_params", "logit_bias"}
 SAMPLING_FIELDS = {"temperature", "top_p", "top_k", "min_p", "max_new_tokens", "min_new_tokens", "stop",
                    "stop_token_ids", "ignore_eos", "no_stop_trim", "skip_special_tokens", "n", "sampling_seed",
                    "frequency_penalty", "presence_penalty", "repetition_penalty", "logprob_mode",
-                   "spaces_between_special_tokens", "sampling_params", "prompts", "context"}
+                   "spaces_between_special_tokens", "stream_interval", "sampling_params", "prompts", "context"}
 WEIGHT_IGNORED = {"flush_cache", "load_format", "is_async", "torch_empty_cache", "keep_pause", "recapture_cuda_graph",
                   "token_step"}
 

@@ -32,6 +32,7 @@ class ServerArgs:
     prefill_graph_token_sizes: tuple[int, ...] = ()
     seed: int = 0
     weight_version: str = "default"
+    stream_interval: int = 1
     max_capture_buffer_rows: Optional[int] = None
     enable_profile_graph_capture: bool = False
     profile_graph_capture_dir: Optional[str] = None
@@ -71,7 +72,7 @@ class ServerArgs:
             decode_graph_batch_sizes=self.decode_graph_batch_sizes,
             prefill_graph_token_sizes=self.prefill_graph_token_sizes, seed=self.seed,
             weight_version=self.weight_version, max_capture_buffer_rows=self.max_capture_buffer_rows,
-            enable_profile_graph_capture=self.enable_profile_graph_capture,
+            stream_interval=self.stream_interval, enable_profile_graph_capture=self.enable_profile_graph_capture,
             profile_graph_capture_dir=self.profile_graph_capture_dir)
 
     @property
@@ -120,6 +121,8 @@ class ServerArgs:
         e.add_argument("--prefill-graph-token-sizes", type=int, nargs="*", default=[])
         e.add_argument("--seed", type=int, default=0)
         e.add_argument("--weight-version", default="default", help="initial weight_version label")
+        e.add_argument("--stream-interval", type=int, default=1,
+                       help="streaming: tokens per chunk unless a request sets sampling_params.stream_interval")
         e.add_argument("--max-capture-buffer-rows", type=int, default=None,
                        help="refuse configs whose routed-expert capture buffer needs more rows")
         e.add_argument("--enable-profile-graph-capture", action="store_true",
@@ -157,7 +160,7 @@ class ServerArgs:
                 decode_graph_batch_sizes=tuple(ns.decode_graph_batch_sizes),
                 prefill_graph_token_sizes=tuple(ns.prefill_graph_token_sizes), seed=ns.seed,
                 weight_version=ns.weight_version, max_capture_buffer_rows=ns.max_capture_buffer_rows,
-                enable_profile_graph_capture=ns.enable_profile_graph_capture,
+                stream_interval=ns.stream_interval, enable_profile_graph_capture=ns.enable_profile_graph_capture,
                 profile_graph_capture_dir=ns.profile_graph_capture_dir, host=ns.host, port=ns.port,
                 served_model_name=ns.served_model_name, api_key=ns.api_key, admin_api_key=ns.admin_api_key,
                 allowed_weight_dirs=tuple(ns.allowed_weight_dirs), max_request_bytes=ns.max_request_bytes,

@@ -1,7 +1,7 @@
 """Server benchmark: a real rollout-serve process vs the same workload through the Python API.
 
     python scripts/bench_server.py [--model-path DIR] [--concurrency 1 16 64] [--prompt-len 32]
-                                   [--max-new-tokens 64] [--json PATH]
+                                   [--max-new-tokens 64] [--stream-interval 1] [--json PATH]
 
 Workload: closed-loop clients, each sending streaming greedy requests (random prompt ids,
 ignore_eos, routing on in int32) one after another. For each concurrency c it reports output
@@ -159,9 +159,11 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--repeats", type=int, default=2, help="runs per (api, concurrency); the best is kept")
+    ap.add_argument("--stream-interval", type=int, default=1, help="sampling_params.stream_interval (tokens/chunk)")
     ap.add_argument("--json", default=None, help="write the results here")
     args = ap.parse_args()
-    params = {"temperature": 0.0, "max_new_tokens": args.max_new_tokens, "ignore_eos": True}
+    params = {"temperature": 0.0, "max_new_tokens": args.max_new_tokens, "ignore_eos": True,
+              "stream_interval": args.stream_interval}
     flags = ["--model-path", args.model_path, "--enable-return-routed-experts", "--disable-prefix-caching"]
     results: dict = {"config": vars(args), "throughput": [], "bytes": []}
 
@@ -189,7 +191,7 @@ def main() -> None:
         srv.stop()
 
     print(f"\nprompt {args.prompt_len} tokens, {args.max_new_tokens} new tokens, greedy, routing int32 on, "
-          f"streaming; model {os.path.basename(args.model_path)}\n")
+          f"streaming {args.stream_interval} token(s) per chunk; model {os.path.basename(args.model_path)}\n")
     print(f"{'api':<8}{'clients':>8}{'tokens':>8}{'tok/s':>10}{'TPOT p50 ms':>13}{'TPOT p99 ms':>13}")
     by = {(r["api"], r["concurrency"]): r for r in results["throughput"]}
     for c in args.concurrency:

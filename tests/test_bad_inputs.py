@@ -10,6 +10,7 @@ BAD_PARAMS = [
     ("max_new_tokens", True), ("min_new_tokens", -3), ("n", 0), ("n", 5000), ("sampling_seed", -1),
     ("stop", 5), ("stop", [""]), ("stop_token_ids", [-1]), ("stop_token_ids", "x"), ("ignore_eos", "yes"),
     ("logprob_mode", "weird"), ("frequency_penalty", 3.0), ("repetition_penalty", 0.0), ("no_such_field", 1),
+    ("stream_interval", 0), ("stream_interval", 1.5),
 ]
 
 
@@ -26,7 +27,8 @@ def test_min_above_max():
 
 @pytest.mark.parametrize("field,value", [("dtype", "int8"), ("max_running_requests", 0), ("chunked_prefill_size", -4),
                                          ("device", "tpu"), ("dp_size", 0), ("max_total_tokens", 1),
-                                         ("decode_graph_batch_sizes", [0]), ("enable_prefix_caching", "no")])
+                                         ("decode_graph_batch_sizes", [0]), ("enable_prefix_caching", "no"),
+                                         ("stream_interval", 0)])
 def test_config_errors_name_field(field, value):
     with pytest.raises(ValueError, match=field):
         EngineConfig(**{field: value})

@@ -124,18 +124,22 @@ def test_generate_text_single_batch_and_n(client, ref):
     assert ids["output_ids"] == one["output_ids"]
 
 
-@pytest.mark.parametrize("fmt", ["int32", "compact"])
-def test_stream_chunks_concatenate_to_final(client, shape, fmt):
+@pytest.mark.parametrize("fmt,interval", [("int32", None), ("compact", None), ("int32", 3)])
+def test_stream_chunks_concatenate_to_final(client, shape, fmt, interval):
     batch = prompts(2, [9, 21])
     body = {"input_ids": batch, "sampling_params": {**GREEDY, "max_new_tokens": 10}, "return_logprob": True,
             "return_routed_experts": True, "routed_experts_format": fmt, "routed_experts_start_len": [3, 0]}
     full = client.post("/generate", json=body).json()
-    with client.stream("POST", "/generate", json={**body, "stream": True}) as r:
+    stream_body = {**body, "stream": True,
+                   "sampling_params": {**body["sampling_params"], "stream_interval": interval}}
+    with client.stream("POST", "/generate", json=stream_body) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
         events = list(sse_events(r))
     for i, (prompt, final) in enumerate(zip(batch, full)):
         chunks = [e for e in events if e["index"] == i]
         assert all(c["meta_info"]["finish_reason"] is None for c in chunks[:-1])
+        # stream_interval tokens per chunk (the last one carries the rest)
+        assert [len(c["output_ids"]) for c in chunks[:-1]] == [interval or 1] * (len(chunks) - 1)
         last = chunks[-1]["meta_info"]
         assert last["finish_reason"] == final["meta_info"]["finish_reason"]
         assert last["completion_tokens"] == final["meta_info"]["completion_tokens"]
@@ -360,6 +364,8 @@ def test_bad_requests_are_4xx_json(server, client):
         "temperature")
     err(client.post("/generate", json={"input_ids": [1, 99999]}), 400, "input_ids")
     err(client.post("/generate", json={"text": 5}), 400, "text")
+    err(client.post("/generate", json={"input_ids": [1, 2], "stream": True,
+                                       "sampling_params": {"stream_interval": 0}}), 400, "stream_interval")
     err(client.post("/generate", json={"input_ids": [1, 2], "top_logprobs_num": -1}), 400, "top_logprobs_num")
     err(client.post("/generate", json={"input_ids": [1, 2], "routed_experts_format": "json"}), 400,
         "routed_experts_format")
