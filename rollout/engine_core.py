@@ -166,16 +166,19 @@ class EngineCore:
                 self.scheduler.cache_unfinished(req)
         self.stats["num_forwards"] += 1
         self.stats["num_prefill_forwards" if batch.is_prefill else "num_decode_forwards"] += 1
-        rows = [i for i in range(len(batch.reqs)) if batch.completes(i)]
-        to_sample = [i for i in rows if batch.reqs[i].params.max_new_tokens > len(batch.reqs[i].output_ids)]
-        for i in rows:
-            if i not in to_sample:
-                self._finish(batch.reqs[i], FinishReason("length"))
+        to_sample = []
+        for i, req in enumerate(batch.reqs):
+            if batch.completes(i):
+                if req.params.max_new_tokens > len(req.output_ids):
+                    to_sample.append(i)
+                else:
+                    self._finish(req, FinishReason("length"))
         if not to_sample:
             return
         reqs = [batch.reqs[i] for i in to_sample]
+        logits = out.logits if len(to_sample) == out.logits.shape[0] else out.logits[to_sample]
         result = sample(
-            out.logits[to_sample], [r.params for r in reqs], [r.seed for r in reqs], [r.seq_len for r in reqs],
+            logits, [r.params for r in reqs], [r.seed for r in reqs], [r.seq_len for r in reqs],
             [r.output_ids for r in reqs], [self._banned_ids(r) for r in reqs], [r.top_logprobs_num for r in reqs])
         next_ids = result.next_ids.tolist()
         logprobs = result.logprobs.tolist()

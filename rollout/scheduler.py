@@ -201,9 +201,9 @@ class Scheduler:
                 return None  # NOTE: cannot happen: requests that cannot fit alone are rejected up front
             self.retract(max(self.running, key=lambda r: r.admit_seq))
         pre = []
-        for req, slot in zip(reqs, slots):
+        for req, slot in zip(reqs, slots.split(1)):
             pre.append(req.kv_len)
-            req.kv_slots = torch.cat([req.kv_slots, slot.view(1)])
+            req.kv_slots = torch.cat((req.kv_slots, slot))
         return ScheduledBatch(reqs, [1] * len(reqs), pre, slots, is_prefill=False)
 
     def retract(self, req: Req) -> None:

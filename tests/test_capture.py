@@ -94,7 +94,7 @@ def test_abort_mid_decode_partial_rows(tiny_checkpoint):
     path = tiny_checkpoint("qwen3_moe")
     prompt = prompts(5, [14])[0]
     with make_engine(path) as engine:
-        stream = engine.generate(input_ids=[prompt], sampling_params={**GREEDY, "max_new_tokens": 200},
+        stream = engine.generate(input_ids=[prompt], sampling_params={**GREEDY, "max_new_tokens": 450},
                                  return_routed_experts=True, stream=True, rid="victim")
         got = []
         for chunk in stream:
@@ -103,7 +103,7 @@ def test_abort_mid_decode_partial_rows(tiny_checkpoint):
                 assert engine.abort("victim")
         final = got[-1].output
         engine.check_integrity()
-    assert final.finish_reason == "abort" and 5 <= len(final.output_ids) < 200
+    assert final.finish_reason == "abort" and 5 <= len(final.output_ids) < 450
     check_rows(path, final)
     assert torch.equal(torch.cat([c.routed_experts for c in got]), final.routed_experts)
 

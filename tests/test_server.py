@@ -274,7 +274,7 @@ def test_client_disconnect_aborts(client, admin):
 @pytest.mark.parametrize("mode", ["in_place", "retract", "abort"])
 def test_pause_then_continue(client, admin, ref, shape, mode):
     prompt = prompts(5, [12])[0]
-    n_new = 200
+    n_new = 1500  # NOTE: long enough that the request is still running when the pause lands
     body = {"input_ids": prompt, "sampling_params": {**GREEDY, "max_new_tokens": n_new}, "return_logprob": True,
             "return_routed_experts": True, "stream": True}
     chunks, started, other = [], threading.Event(), {}

@@ -244,7 +244,8 @@ def test_update_in_flight_semantics(client, admin, dirs, expected):
     check_serving(client, dirs, expected, "a", "v-a")
     # 3. pause(retract) -> update -> continue: the request resumes on the new weights
     box, started = [], threading.Event()
-    t = threading.Thread(target=_stream, args=(client, 120, box, started))
+    # NOTE: 480 new tokens (the test model's context is 512): still running when the pause lands
+    t = threading.Thread(target=_stream, args=(client, 480, box, started))
     t.start()
     assert started.wait(30)
     assert admin.post("/pause_generation", json={"mode": "retract"}).status_code == 200
@@ -255,11 +256,11 @@ def test_update_in_flight_semantics(client, admin, dirs, expected):
     t.join(60)
     final = box[-2]["meta_info"]
     assert final["finish_reason"]["type"] == "length" and final["weight_version"] == "v-mid"
-    assert final["completion_tokens"] == 120
+    assert final["completion_tokens"] == 480
     # 4. pause(in_place) -> update: the running request is retracted (its KV came from the old
     #    weights), then resumes on the new ones after continue
     box, started = [], threading.Event()
-    t = threading.Thread(target=_stream, args=(client, 120, box, started))
+    t = threading.Thread(target=_stream, args=(client, 480, box, started))
     t.start()
     assert started.wait(30)
     assert admin.post("/pause_generation", json={"mode": "in_place"}).json()["num_requests"] == 1

@@ -25,7 +25,7 @@ def padded_forward_batch(batch: Optional[Any], *, kv_pool: KVPool, device: torch
     locs: list[torch.Tensor] = []
     if batch is not None:
         for req, pre, ext in zip(batch.reqs, batch.prefix_lens, batch.extend_lens):
-            input_ids += req.fill_ids[pre:pre + ext]
+            input_ids += req.token_span(pre, pre + ext)
         prefix_lens += list(batch.prefix_lens)
         extend_lens += list(batch.extend_lens)
         req_slots += [r.kv_slots for r in batch.reqs]
