@@ -101,10 +101,13 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams], seeds: Sequen
         for i, ids in enumerate(banned_ids):
             if ids:
                 logits[i, list(ids)] = float("-inf")
-    greedy = torch.tensor([p.is_greedy for p in params])
-    temps = torch.tensor([1.0 if p.is_greedy else p.temperature for p in params], dtype=torch.float32)
-    scaled = logits / temps[:, None]
-    needs_trunc = [(not p.is_greedy) and (p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0) for p in params]
+    is_greedy = [p.is_greedy for p in params]
+    temps = [1.0 if g else p.temperature for p, g in zip(params, is_greedy)]
+    if all(t == temps[0] for t in temps):  # NOTE: the usual RL batch; same values as per-row division
+        scaled = logits if temps[0] == 1.0 else logits / temps[0]
+    else:
+        scaled = logits / torch.tensor(temps, dtype=torch.float32)[:, None]
+    needs_trunc = [(not g) and (p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0) for p, g in zip(params, is_greedy)]
     if any(needs_trunc):
         top_k = torch.tensor([p.top_k if t else -1 for p, t in zip(params, needs_trunc)], dtype=torch.int64)
         top_p = torch.tensor([p.top_p if t else 1.0 for p, t in zip(params, needs_trunc)], dtype=torch.float32)
@@ -113,12 +116,14 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams], seeds: Sequen
     else:
         processed = scaled
     processed_lp = torch.log_softmax(processed, dim=-1)
-    if bool(greedy.all()):
+    if all(is_greedy):
         next_ids = torch.argmax(logits, dim=-1)
     else:
         u = counter_uniform(torch.tensor(list(seeds), dtype=torch.int64),
                             torch.tensor(list(positions), dtype=torch.int64))
-        next_ids = torch.where(greedy, torch.argmax(logits, dim=-1), inverse_cdf(processed_lp, u))
+        next_ids = inverse_cdf(processed_lp, u)
+        if any(is_greedy):
+            next_ids = torch.where(torch.tensor(is_greedy), torch.argmax(logits, dim=-1), next_ids)
     modes = {p.logprob_mode for p in params}
     per_mode = {}
     if "raw" in modes:
