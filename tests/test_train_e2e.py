@@ -5,8 +5,11 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import threading
+import time
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 
@@ -205,7 +208,11 @@ def test_grpo_loop_two_servers_replay_vs_no_replay(tmp_path, capsys):
     assert list((run_dir / "wandb").glob("offline-run-*")), "wandb offline run missing"
 
 
-def _kill_run(tmp_path, overrides, kill_step=2, kill_after=20):
+def _kill_run(tmp_path, overrides, kill_step=2, when="mid"):
+    """Kills server 0 in step kill_step: "mid" as soon as it runs requests of that step (a thread
+    polls its /v1/loads from the end of the step before; the client then sees those requests
+    fail and sends them again), "after" at the step's last sample (every rollout done: the
+    client has not seen it fail, and the weight sync meets the dead server)."""
     from trainer_bridge.launch import LocalServers
     from trainer_bridge.train import Hooks, _server_flags, run_async
 
@@ -213,13 +220,28 @@ def _kill_run(tmp_path, overrides, kill_step=2, kill_after=20):
                                         "prompts_per_step=16", "micro_batch_tokens=1024", *overrides])
     killed = {"count": 0}
     with LocalServers(2, _server_flags(cfg), log_dir=str(tmp_path / "logs")) as servers:
+        def kill(at):
+            servers.servers[0].kill()
+            killed["at"] = at
+
+        def poll_then_kill():
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline:
+                load = httpx.get(servers.urls[0] + "/v1/loads", timeout=10).json()["loads"][0]
+                if load["num_running_reqs"] > 0:
+                    return kill("running")
+                time.sleep(0.002)
+
+        def on_step(step, rec):
+            if when == "mid" and step == kill_step - 1:
+                threading.Thread(target=poll_then_kill, daemon=True).start()
+
         def on_sample(step, sample):
-            if step == kill_step and "at" not in killed:
+            if when == "after" and step == kill_step and "at" not in killed:
                 killed["count"] += 1
-                if killed["count"] >= kill_after:  # mid-rollout: most of the step is still in flight
-                    servers.servers[0].kill()
-                    killed["at"] = sample.rid
-        result = asyncio.run(run_async(cfg, hooks=Hooks(on_sample=on_sample), servers=servers))
+                if killed["count"] == cfg.samples_per_step:
+                    kill(sample.rid)
+        result = asyncio.run(run_async(cfg, hooks=Hooks(on_sample=on_sample, on_step=on_step), servers=servers))
     return cfg, result, killed, servers
 
 
@@ -236,9 +258,23 @@ def test_killing_one_of_two_servers_mid_rollout_loses_and_duplicates_nothing(tmp
 @pytest.mark.slow
 def test_kill_with_streaming_and_distributed_weight_sync(tmp_path):
     cfg, result, killed, servers = _kill_run(tmp_path, ["stream=true", "weight_sync=distributed", "zero_stage=2"])
+    assert "at" in killed
     _check_steps(result, cfg)
     assert result.history[1]["retried_samples"] > 0
     assert all(r["routing_mismatch_rate"] == 0.0 for r in result.history)
+
+
+# NOTE: weight_sync=distributed recovers from this too, but only after the live servers' receive
+# of the broken broadcast times out (the group's timeout_s, 300 s by default): too slow for CI.
+@pytest.mark.slow
+@pytest.mark.parametrize("sync", ["tensor", "disk"])
+def test_server_dying_after_its_rollouts_does_not_stop_the_weight_sync(tmp_path, sync):
+    cfg, result, killed, servers = _kill_run(tmp_path, [f"weight_sync={sync}"], when="after")
+    assert "at" in killed
+    _check_steps(result, cfg)
+    assert result.history[1]["retried_samples"] == 0         # the rollouts were all done
+    assert [r["servers_alive"] for r in result.history] == [2, 1, 1]
+    assert result.client_loads[servers.urls[0]]["alive"] is False
 
 
 @pytest.mark.slow

@@ -224,6 +224,16 @@ class RolloutClient:
     def alive_urls(self) -> list[str]:
         return [s.url for s in self.servers if s.alive]
 
+    async def check_servers(self) -> list[str]:
+        """Health-checks every live server now, marks the ones that do not answer dead, and
+        returns the live URLs (e.g. after a weight sync failed: did a server die meanwhile?)."""
+        live = [s for s in self.servers if s.alive]
+        answers = await asyncio.gather(*(self._healthy(s) for s in live))
+        for s, ok in zip(live, answers):
+            if not ok:
+                s.alive, s.last_error = False, "no answer to /health"
+        return self.alive_urls
+
     def _server(self, url: str) -> ServerState:
         for s in self.servers:
             if s.url == url.rstrip("/"):

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import asyncio
 import datetime
+import gc
+import logging
 import os
 import shutil
 import socket
@@ -35,6 +37,8 @@ import httpx
 import torch
 
 from .client import RolloutClient, RolloutError
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["WeightSync", "SyncResult", "SYNC_MODES", "make_weight_sync", "init_custom_process_group"]
 
@@ -86,14 +90,32 @@ class WeightSync:
         urls = tuple(self.client.alive_urls)
         if not urls:
             raise RolloutError("weight sync: no live rollout server")
-        answers, nbytes = await self._push(named, str(version), urls)
+        try:
+            return self._result(await self._push(named, str(version), urls), urls, str(version), t0)
+        except (RolloutError, RuntimeError) as exc:
+            # NOTE: a server that died after its last rollout (so the client never saw it fail)
+            # breaks the push; the live ones keep their old weights: push again to them, once.
+            alive = tuple(await self.client.check_servers())
+            if not alive or alive == urls:
+                raise
+            reason = f"{type(exc).__name__}: {exc}"
+        # NOTE: retried outside the except block, once the failed attempt's traceback is gone: its
+        # frames hold that attempt's process group, whose open sockets would keep the live servers
+        # waiting for the rest of the broadcast
+        gc.collect()
+        logger.warning("weight sync (%s) to %s failed (%s); %d server(s) gone, pushing again to %s", self.mode,
+                       ", ".join(urls), reason[:300], len(urls) - len(alive), ", ".join(alive))
+        return self._result(await self._push(named, str(version), alive), alive, str(version), t0)
+
+    def _result(self, pushed: tuple[dict, int], urls: tuple[str, ...], version: str, t0: float) -> SyncResult:
+        answers, nbytes = pushed
         for url, ans in answers.items():
             if not isinstance(ans, dict) or not ans.get("success", False):
                 raise RolloutError(f"weight sync ({self.mode}) to {url} failed: {ans}")
-            if str(ans.get("weight_version")) != str(version):
+            if str(ans.get("weight_version")) != version:
                 raise RolloutError(f"weight sync ({self.mode}) to {url}: server reports weight_version "
                                    f"{ans.get('weight_version')!r}, expected {version!r}")
-        res = SyncResult(str(version), self.mode, time.perf_counter() - t0, nbytes, urls)
+        res = SyncResult(version, self.mode, time.perf_counter() - t0, nbytes, urls)
         self.history.append(res)
         return res
 
@@ -230,11 +252,17 @@ class DistributedSync(WeightSync):
             import torch.distributed as dist
             for n in names:
                 dist.broadcast(named[n], src=0, group=pg)
+        post = asyncio.ensure_future(self._post_each(urls, "/update_weights_from_distributed", retry=False,
+                                                     json=body))
+        sent = asyncio.ensure_future(asyncio.to_thread(broadcast))
         try:
-            answers, _ = await asyncio.gather(self._post_each(urls, "/update_weights_from_distributed", retry=False,
-                                                              json=body),
-                                              asyncio.to_thread(broadcast))
+            answers, _ = await asyncio.gather(post, sent)
         except BaseException:
+            # NOTE: stop waiting for the servers' answers (they wait for the rest of the broken
+            # broadcast) so nothing keeps this group alive: once it is collected its sockets close,
+            # the live servers' receive fails at once and they take the next group.
+            post.cancel()
+            del pg, broadcast
             await self._destroy(best_effort=True)
             raise
         return answers, sum(t.numel() * t.element_size() for t in named.values())
