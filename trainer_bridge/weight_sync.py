@@ -99,9 +99,10 @@ class WeightSync:
             if not alive or alive == urls:
                 raise
             reason = f"{type(exc).__name__}: {exc}"
-        # NOTE: retried outside the except block, once the failed attempt's traceback is gone: its
-        # frames hold that attempt's process group, whose open sockets would keep the live servers
-        # waiting for the rest of the broadcast
+        # NOTE: retried outside the except block, once the failed attempt's traceback (whose frames
+        # hold that attempt's process group) is gone, and the group collected. (With distributed
+        # sync the live servers still wait out their receive of the broken broadcast, the group's
+        # timeout_s, before they accept the new group: see docs/trainer.md.)
         gc.collect()
         logger.warning("weight sync (%s) to %s failed (%s); %d server(s) gone, pushing again to %s", self.mode,
                        ", ".join(urls), reason[:300], len(urls) - len(alive), ", ".join(alive))
@@ -259,8 +260,7 @@ class DistributedSync(WeightSync):
             answers, _ = await asyncio.gather(post, sent)
         except BaseException:
             # NOTE: stop waiting for the servers' answers (they wait for the rest of the broken
-            # broadcast) so nothing keeps this group alive: once it is collected its sockets close,
-            # the live servers' receive fails at once and they take the next group.
+            # broadcast) and drop this attempt's references to the group.
             post.cancel()
             del pg, broadcast
             await self._destroy(best_effort=True)
