@@ -260,9 +260,8 @@ class DistributedSync(WeightSync):
             answers, _ = await asyncio.gather(post, sent)
         except BaseException:
             # NOTE: stop waiting for the servers' answers (they wait for the rest of the broken
-            # broadcast) and drop this attempt's references to the group.
+            # broadcast)
             post.cancel()
-            del pg, broadcast
             await self._destroy(best_effort=True)
             raise
         return answers, sum(t.numel() * t.element_size() for t in named.values())
