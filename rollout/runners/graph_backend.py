@@ -37,13 +37,11 @@ class GraphBackend:
 
     def __init__(self, model: torch.nn.Module):
         self.model = model
-        self.captured: set[Hashable] = set()
 
     @torch.inference_mode()
     def capture(self, key: Hashable, fb: ForwardBatch, variant: tuple[tuple[str, str], ...] = ()) -> None:
         with record_function(f"graph_variant[{variant_label(variant)}]"):
             self.model(fb)
-        self.captured.add(key)
 
     def run(self, key: Hashable, fb: ForwardBatch) -> torch.Tensor:
         return self.model(fb)
@@ -78,7 +76,6 @@ class CudaGraphBackend(GraphBackend):
                 out = self.model(fb)
             self.pool.adopt(graph)
         self.graphs[key] = (graph, out)
-        self.captured.add(key)
 
     def run(self, key: Hashable, fb: ForwardBatch) -> torch.Tensor:
         # NOTE: fb's tensors are the static buffers the graph was captured over (StaticInputs.load

@@ -47,7 +47,6 @@ class PiecewiseBackend:
         self.q = buf(max_tokens, heads, head_dim)               # the next attention core's queries
         self.attn = buf(max_tokens, heads * head_dim)           # the last attention core's output
         self.cos, self.sin = buf(max_tokens, 1, head_dim), buf(max_tokens, 1, head_dim)
-        self.captured: set[Hashable] = set()
         self.graphs: dict[Hashable, list[torch.cuda.CUDAGraph]] = {}
         self.pool = pool or GraphMemoryPool()
 
@@ -98,7 +97,6 @@ class PiecewiseBackend:
         with record_function(f"graph_variant[{variant_label(variant)}]"):
             if not self.uses_graphs:
                 self._execute(self.pieces(fb), fb)  # a warm-up forward over the static buffers
-                self.captured.add(key)
                 return
             assert key not in self.graphs, key
             # NOTE: no host syncs inside a graph: the MoE takes a sync-free path (FusedExperts.choose_impl).
@@ -118,7 +116,6 @@ class PiecewiseBackend:
                 self.pool.adopt(graph)
                 graphs.append(graph)
         self.graphs[key] = graphs
-        self.captured.add(key)
 
     def run(self, key: Hashable, fb: ForwardBatch) -> torch.Tensor:
         """fb: the step's batch in the bucket's static input buffers -> float32 logits [B, vocab]."""
