@@ -64,7 +64,7 @@ class EngineCore:
         self.scheduler = Scheduler(kv_pool=self.kv_pool, cache=self.cache,
                                    max_running_requests=cfg.max_running_requests,
                                    prefill_token_budget=self.prefill_token_budget,
-                                   on_retract=self._save_routing)
+                                   context_length=self.context_length, on_retract=self._save_routing)
         # NOTE: one ForwardShapeLimits sizes the capture buffer and builds the runners (invariant 1).
         limits = self.forward_shape_limits
         self.capturer: Optional[RoutedExpertsCapturer] = None
@@ -232,7 +232,8 @@ class EngineCore:
         return req.routed_experts_start_len
 
     def _routing_rows(self, req: Req, lo: int, hi: int) -> torch.Tensor:
-        return self.capturer.rows(req.kv_slots, lo, hi, req.saved_routing, req.routed_experts_start_len)
+        return self.capturer.rows(self.scheduler.kv_slots(req), lo, hi, req.saved_routing,
+                                  req.routed_experts_start_len)
 
     def _save_routing(self, req: Req) -> None:
         if self.capturer is not None and req.return_routed_experts and req.kv_len:

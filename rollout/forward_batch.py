@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 
@@ -34,6 +34,7 @@ class ForwardBatch:
     layout: Optional[Any] = None
     ep_group: Optional[Any] = None
     graph_safe: bool = False         # no host syncs (CUDA graph capture): see FusedExperts.choose_impl
+    segments: tuple = ()             # DecodeSegments of an eager decode batch, () = one grid
 
     @property
     def num_tokens(self) -> int:
@@ -57,42 +58,109 @@ class ForwardBatch:
 
     @staticmethod
     def build(*, input_ids: list[int], out_cache_loc: torch.Tensor, prefix_lens: list[int],
-              extend_lens: list[int], req_slots: list[torch.Tensor], kv_pool: KVPool,
-              capture: Optional[Any] = None, device: torch.device | str = "cpu") -> "ForwardBatch":
-        """req_slots[b]: the request's KV slots for positions 0 .. prefix+extend-1 (new ones included)."""
+              extend_lens: list[int], kv_indices: Optional[torch.Tensor] = None,
+              req_slots: Optional[Sequence[torch.Tensor]] = None, kv_pool: KVPool,
+              capture: Optional[Any] = None, device: torch.device | str = "cpu",
+              segment_decode: bool = False) -> "ForwardBatch":
+        """KV slots by position, one of: kv_indices [B, >= max seq_len] (cells past a request's
+        length are never read unmasked), or req_slots[b], request b's slots for positions
+        0 .. prefix+extend-1 (new ones included). segment_decode: split a decode batch whose
+        requests come shortest first into runs of similar length (see DecodeSegment)."""
         bsz = len(extend_lens)
-        assert bsz == len(prefix_lens) == len(req_slots) and bsz > 0
+        assert bsz == len(prefix_lens) and bsz > 0
         seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
         max_seq, max_ext = max(seq_lens), max(extend_lens)
-        assert all(slots.numel() == n for slots, n in zip(req_slots, seq_lens))
-        kv_indices = torch.nn.utils.rnn.pad_sequence(list(req_slots), batch_first=True, padding_value=SINK_SLOT)
-        ext = torch.tensor(extend_lens, dtype=torch.int64)
-        pre = torch.tensor(prefix_lens, dtype=torch.int64)
-        req_of_token = torch.repeat_interleave(torch.arange(bsz), ext)              # [N]
-        starts = torch.cumsum(ext, 0) - ext                                          # [B]
-        idx_in_req = torch.arange(int(ext.sum())) - starts[req_of_token]            # [N]
-        positions = pre[req_of_token] + idx_in_req
-        q_pad_index = req_of_token * max_ext + idx_in_req
-        # query i of request b sits at position prefix_lens[b] + i and sees keys 0 .. that position
-        q_pos = pre[:, None] + torch.arange(max_ext)[None, :]                        # [B, max_ext]
-        key_pos = torch.arange(max_seq)
-        mask = key_pos[None, None, :] <= q_pos[:, :, None]                           # [B, max_ext, max_seq]
-        mask &= key_pos[None, None, :] < torch.tensor(seq_lens)[:, None, None]
-        # NOTE: padded query rows (i >= extend_lens[b]) must still see one key, else softmax is NaN.
-        mask[:, :, 0] = True
-        logits_indices = starts + ext - 1
+        if req_slots is not None:
+            assert kv_indices is None and len(req_slots) == bsz
+            assert all(slots.numel() == n for slots, n in zip(req_slots, seq_lens))
+            kv_indices = torch.nn.utils.rnn.pad_sequence(list(req_slots), batch_first=True, padding_value=SINK_SLOT)
+        assert kv_indices is not None and kv_indices.shape[0] == bsz and kv_indices.shape[1] >= max_seq
+        kv_indices = kv_indices[:, :max_seq]
         dev = torch.device(device)
+        seq_t = torch.tensor(seq_lens, dtype=torch.int64)
+        key_pos = torch.arange(max_seq)
+        if max_ext == 1:
+            # decode: one query per request, at position seq_len - 1, seeing keys 0 .. seq_len - 1
+            rows = torch.arange(bsz)
+            positions, q_pad_index, logits_indices = seq_t - 1, rows, rows
+            ext = torch.ones(bsz, dtype=torch.int64)
+            mask = (key_pos[None, :] < seq_t[:, None])[:, None, None, :]             # [B, 1, 1, S]
+        else:
+            ext = torch.tensor(extend_lens, dtype=torch.int64)
+            pre = torch.tensor(prefix_lens, dtype=torch.int64)
+            req_of_token = torch.repeat_interleave(torch.arange(bsz), ext)              # [N]
+            starts = torch.cumsum(ext, 0) - ext                                          # [B]
+            idx_in_req = torch.arange(int(ext.sum())) - starts[req_of_token]            # [N]
+            positions = pre[req_of_token] + idx_in_req
+            q_pad_index = req_of_token * max_ext + idx_in_req
+            # query i of request b sits at position prefix_lens[b] + i and sees keys 0 .. that position
+            q_pos = pre[:, None] + torch.arange(max_ext)[None, :]                        # [B, max_ext]
+            mask = key_pos[None, None, :] <= q_pos[:, :, None]                           # [B, max_ext, max_seq]
+            mask &= key_pos[None, None, :] < seq_t[:, None, None]
+            # NOTE: padded query rows (i >= extend_lens[b]) must still see one key, else softmax is NaN.
+            mask[:, :, 0] = True
+            mask = mask[:, None]
+            logits_indices = starts + ext - 1
+        segments: tuple[DecodeSegment, ...] = ()
+        if segment_decode and max_ext == 1:
+            segments = DecodeSegment.split(seq_lens, kv_indices, mask, dev)
         return ForwardBatch(
             input_ids=torch.tensor(input_ids, dtype=torch.int64, device=dev),
             positions=positions.to(dev),
             out_cache_loc=out_cache_loc.to(dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=dev),
+            seq_lens=seq_t.to(dev),
             extend_lens=ext.to(dev),
             kv_indices=kv_indices.to(dev),
             q_pad_index=q_pad_index.to(dev),
-            attn_mask=mask[:, None].to(dev),
+            attn_mask=mask.to(dev),
             logits_indices=logits_indices.to(dev),
             max_extend=max_ext,
             kv_pool=kv_pool,
             capture=capture,
+            segments=segments,
         )
+
+
+@dataclass(frozen=True)
+class DecodeSegment:
+    """Requests lo .. hi-1 of a decode batch, attended together over their own longest length.
+
+    A decode batch pads every request's keys to the longest; with requests ordered shortest
+    first (the scheduler's decode order), cutting it into runs of similar length skips most of
+    those padded key cells, at the price of one more gather and SDPA call per layer per run.
+    """
+
+    lo: int
+    hi: int
+    kv_flat: torch.Tensor      # [(hi - lo) * width] int64 slots, request-major
+    mask: torch.Tensor         # [hi - lo, 1, 1, width] bool
+
+    # NOTE: a cut must skip at least this many padded key cells (one more gather + SDPA per layer
+    # costs about as much as ~600 cells of attention on CPU), and runs keep at least MIN_RUN requests.
+    MIN_SAVED_CELLS = 2048
+    MIN_RUN = 8
+
+    @staticmethod
+    def split(seq_lens: list[int], kv_indices: torch.Tensor, mask: torch.Tensor,
+              device: torch.device) -> tuple["DecodeSegment", ...]:
+        """Runs of a batch ordered by seq_len (ascending); () when one run is best or the order
+        is not ascending."""
+        bsz = len(seq_lens)
+        if bsz < 2 * DecodeSegment.MIN_RUN or any(a > b for a, b in zip(seq_lens, seq_lens[1:])):
+            return ()
+        cuts = [bsz]
+        hi, top = bsz, seq_lens[-1]
+        for j in range(bsz - DecodeSegment.MIN_RUN, DecodeSegment.MIN_RUN - 1, -1):
+            # cutting before request j: requests 0 .. j-1 pad to seq_lens[j-1] instead of top
+            if j <= hi - DecodeSegment.MIN_RUN and (top - seq_lens[j - 1]) * j >= DecodeSegment.MIN_SAVED_CELLS:
+                cuts.append(j)
+                hi, top = j, seq_lens[j - 1]
+        if len(cuts) == 1:
+            return ()
+        cuts.append(0)
+        out = []
+        for hi, lo in zip(cuts, cuts[1:]):
+            width = seq_lens[hi - 1]
+            out.append(DecodeSegment(lo=lo, hi=hi, kv_flat=kv_indices[lo:hi, :width].reshape(-1).to(device),
+                                     mask=mask[lo:hi, :, :, :width].to(device)))
+        return tuple(reversed(out))

@@ -55,8 +55,9 @@ class Req:
     output_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
     state: ReqState = ReqState.WAITING
     finish_reason: Optional[FinishReason] = None
-    kv_slots: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
-    cache_len: int = 0                   # leading kv_slots owned by the prefix cache
+    kv_row: Optional[int] = None         # the request's row of the scheduler's ReqToTokenPool (admitted)
+    kv_len: int = 0                      # positions whose KV slot is in that row (computed or this step's)
+    cache_len: int = 0                   # leading slots owned by the prefix cache
     last_node: Any = None                # locked prefix-cache node
     cached_tokens: int = 0
     scheduled_once: bool = False
@@ -83,10 +84,6 @@ class Req:
     @property
     def seq_len(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
-
-    @property
-    def kv_len(self) -> int:
-        return int(self.kv_slots.numel())
 
     @property
     def is_finished(self) -> bool:

@@ -16,6 +16,7 @@ import torch
 
 from rollout.kv_pool import KVPool
 from rollout.radix_cache import RadixCache
+from rollout.req_to_token import ReqToTokenPool
 from rollout.request import Req, ReqState
 
 
@@ -29,6 +30,7 @@ class ScheduledBatch:
     prefix_lens: list[int]
     out_cache_loc: torch.Tensor      # [sum(extend_lens)] new slots, request-major
     is_prefill: bool
+    kv_indices: torch.Tensor         # [B, max(prefix+extend)] int64 KV slots by position (stale past each length)
 
     @property
     def num_tokens(self) -> int:
@@ -40,10 +42,19 @@ class ScheduledBatch:
         return self.prefix_lens[i] + self.extend_lens[i] == req.seq_len
 
 
+def _by_kv_len(req: Req) -> int:
+    return req.kv_len
+
+
 class Scheduler:
     def __init__(self, *, kv_pool: KVPool, cache: RadixCache, max_running_requests: int,
-                 prefill_token_budget: int, on_retract: Optional[Callable[[Req], None]] = None):
+                 prefill_token_budget: int, context_length: int,
+                 on_retract: Optional[Callable[[Req], None]] = None):
         self.kv_pool = kv_pool
+        # NOTE: one row per admitted request; hold_admission lowers max_running_requests to 0
+        # at times, never above this.
+        self.req_to_token = ReqToTokenPool(num_rows=max(1, max_running_requests), width=context_length,
+                                           device=kv_pool.device)
         self.cache = cache
         self.max_running_requests = max_running_requests
         self.prefill_token_budget = prefill_token_budget
@@ -77,16 +88,29 @@ class Scheduler:
         elif req in self.waiting:
             self.waiting.remove(req)
 
+    def kv_slots(self, req: Req) -> torch.Tensor:
+        """The request's KV slots for positions 0 .. kv_len-1 ([kv_len] int64, a copy)."""
+        if req.kv_row is None:
+            return torch.empty(0, dtype=torch.int64)
+        return self.req_to_token.slots(req.kv_row, req.kv_len)
+
     def release(self, req: Req) -> None:
         n = req.kv_len
         if n:
-            kept = self.cache.insert(req.fill_ids[:n], req.kv_slots)
+            slots = self.kv_slots(req)
+            kept = self.cache.insert(req.fill_ids[:n], slots)
             # the cache keeps its own slots for the first `kept` tokens; ours beyond cache_len are duplicates
             if kept > req.cache_len:
-                self.kv_pool.free(req.kv_slots[req.cache_len:kept])
+                self.kv_pool.free(slots[req.cache_len:kept])
         if req.last_node is not None:
             self.cache.dec_lock(req.last_node)
-        req.kv_slots = torch.empty(0, dtype=torch.int64)
+        self._drop_row(req)
+
+    def _drop_row(self, req: Req) -> None:
+        if req.kv_row is not None:
+            self.req_to_token.free(req.kv_row)
+        req.kv_row = None
+        req.kv_len = 0
         req.cache_len = 0
         req.last_node = None
 
@@ -95,15 +119,16 @@ class Scheduler:
         if not self.cache.enabled or req.kv_len <= req.cache_len:
             return
         tokens = req.fill_ids[:req.kv_len]
-        kept = self.cache.insert(tokens, req.kv_slots)
+        own = self.kv_slots(req)
+        kept = self.cache.insert(tokens, own)
         if kept > req.cache_len:
-            self.kv_pool.free(req.kv_slots[req.cache_len:kept])
+            self.kv_pool.free(own[req.cache_len:kept])
         slots, node = self.cache.match_prefix(tokens)
         assert slots.numel() == len(tokens)
         self.cache.inc_lock(node)
         self.cache.dec_lock(req.last_node)
         req.last_node = node
-        req.kv_slots = slots
+        self.req_to_token.write(req.kv_row, 0, slots)
         req.cache_len = len(tokens)
 
     # ---- scheduling --------------------------------------------------------------------------
@@ -119,14 +144,13 @@ class Scheduler:
         slots, node = self.cache.match_prefix(req.fill_ids[:-1])
         self.cache.inc_lock(node)
         req.last_node = node
-        req.kv_slots = slots
-        req.cache_len = int(slots.numel())
+        req.kv_row = self.req_to_token.alloc()
+        self.req_to_token.write(req.kv_row, 0, slots)
+        req.kv_len = req.cache_len = int(slots.numel())
 
     def _unadmit(self, req: Req) -> None:
         self.cache.dec_lock(req.last_node)
-        req.last_node = None
-        req.kv_slots = torch.empty(0, dtype=torch.int64)
-        req.cache_len = 0
+        self._drop_row(req)
 
     def schedule(self) -> Optional[ScheduledBatch]:
         return self._schedule_prefill() or self._schedule_decode()
@@ -161,7 +185,8 @@ class Scheduler:
             pre.append(req.kv_len)
             ext.append(take)
             locs.append(slots)
-            req.kv_slots = torch.cat([req.kv_slots, slots])
+            self.req_to_token.write(req.kv_row, req.kv_len, slots)
+            req.kv_len += take
             budget -= take
             if is_new:
                 if not req.scheduled_once:
@@ -177,7 +202,12 @@ class Scheduler:
                 break
         if not reqs:
             return None
-        return ScheduledBatch(reqs, ext, pre, torch.cat(locs), is_prefill=True)
+        return ScheduledBatch(reqs, ext, pre, torch.cat(locs), is_prefill=True,
+                              kv_indices=self._kv_indices(reqs, max(p + e for p, e in zip(pre, ext))))
+
+    def _kv_indices(self, reqs: list[Req], width: int) -> torch.Tensor:
+        rows = torch.tensor([r.kv_row for r in reqs], dtype=torch.int64)
+        return self.req_to_token.gather(rows, width)
 
     def _shares_uncached_prefix(self, req: Req, scheduled: list[Req]) -> bool:
         if not self.cache.enabled:
@@ -193,18 +223,22 @@ class Scheduler:
         if not self.running:
             return None
         while True:
-            reqs = list(self.running)
-            slots = self._alloc(len(reqs))
+            slots = self._alloc(len(self.running))
             if slots is not None:
                 break
             if len(self.running) == 1:
                 return None  # NOTE: cannot happen: requests that cannot fit alone are rejected up front
             self.retract(max(self.running, key=lambda r: r.admit_seq))
-        pre = []
-        for req, slot in zip(reqs, slots.split(1)):
-            pre.append(req.kv_len)
-            req.kv_slots = torch.cat((req.kv_slots, slot))
-        return ScheduledBatch(reqs, [1] * len(reqs), pre, slots, is_prefill=False)
+        # NOTE: shortest first: attention splits a decode batch into runs of similar length
+        # (ForwardBatch.segments), so that short requests do not pad to the longest.
+        reqs = sorted(self.running, key=_by_kv_len)
+        pre = [r.kv_len for r in reqs]
+        rows = torch.tensor([r.kv_row for r in reqs], dtype=torch.int64)
+        self.req_to_token.append_one(rows, torch.tensor(pre, dtype=torch.int64), slots)
+        for req in reqs:
+            req.kv_len += 1
+        kv_indices = self.req_to_token.gather(rows, pre[-1] + 1)
+        return ScheduledBatch(reqs, [1] * len(reqs), pre, slots, is_prefill=False, kv_indices=kv_indices)
 
     def retract(self, req: Req) -> None:
         """Moves a running request back to the front of the queue; its generated tokens stay."""
@@ -223,9 +257,11 @@ class Scheduler:
         self.cache.check_integrity()
         owned: list[int] = []
         for req in self.running:
-            owned.extend(req.kv_slots[req.cache_len:].tolist())
+            owned.extend(self.kv_slots(req)[req.cache_len:].tolist())
         for req in self.waiting:
-            assert req.kv_len == 0 and req.last_node is None, f"waiting request {req.rid} holds KV"
+            assert req.kv_len == 0 and req.last_node is None and req.kv_row is None, (
+                f"waiting request {req.rid} holds KV")
+        self.req_to_token.check_integrity([r.kv_row for r in self.running])
         cached = self.cache.all_slots()
         assert len(owned) == len(set(owned)), "a KV slot is owned twice"
         assert not (set(owned) & cached), "a KV slot is owned by a request and the cache"

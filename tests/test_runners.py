@@ -282,7 +282,7 @@ def _scheduler_shapes(limits: ForwardShapeLimits, seed: int, num_slots: int, n_r
     pool = KVPool(num_slots=num_slots, num_layers=1, num_kv_heads=1, head_dim=2, dtype=torch.float32)
     cache = RadixCache(pool, enabled=rng.random() < 0.5)
     sched = Scheduler(kv_pool=pool, cache=cache, max_running_requests=limits.max_running_requests,
-                      prefill_token_budget=limits.chunked_prefill_tokens)
+                      prefill_token_budget=limits.chunked_prefill_tokens, context_length=num_slots + 16)
     for i in range(n_reqs):
         new = rng.randint(1, 12)
         prompt = [rng.randrange(3, 50) for _ in range(rng.randint(1, max(1, num_slots - new - 1)))]

@@ -39,36 +39,54 @@ class PagedAttention(nn.Module):
     def attend(self, q: torch.Tensor, fb: ForwardBatch, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
         """q [N, H, D] over the KV already in the pool -> [N, H*D] (the step's own attention grid)."""
         n, h, d = q.shape
-        pool = fb.kv_pool
-        # NOTE: padded key columns read the sink slot; they are masked out, but must hold finite
-        # values (0 * NaN is NaN after softmax), which holds because only real k/v are written there.
-        # (index_select, not advanced indexing: several times faster for this row gather on CPU)
         bsz, seq = fb.kv_indices.shape
-        slots = fb.kv_indices.reshape(-1)
-        kvh = self.num_kv_heads
-        keys = pool.k_buffers[self.layer_id].index_select(0, slots).view(bsz, seq, kvh, d).to(q.dtype)
-        values = pool.v_buffers[self.layer_id].index_select(0, slots).view(bsz, seq, kvh, d).to(q.dtype)
+        if fb.segments and attn_mask is None:
+            # a decode batch in runs of similar length (one query per request, in batch order)
+            return torch.cat([self._decode_grid(q[s.lo:s.hi], s.kv_flat, s.mask, fb.kv_pool) for s in fb.segments])
         # every request has max_extend tokens (decode; a full bucket): the grid is q itself
         full = n == bsz * fb.max_extend
+        mask = fb.attn_mask if attn_mask is None else attn_mask              # [B, 1, E, S]
+        if full and fb.max_extend == 1:
+            return self._decode_grid(q, fb.kv_indices.reshape(-1), mask, fb.kv_pool)
+        keys, values = self._gather(fb.kv_pool, fb.kv_indices.reshape(-1), bsz, seq, q.dtype)
         if full:
             q_pad = q
         else:
             q_pad = q.new_zeros(bsz * fb.max_extend, h, d)
             q_pad[fb.q_pad_index] = q
         q_pad = q_pad.view(bsz, fb.max_extend, h, d).transpose(1, 2)         # [B, H, E, D]
-        mask = fb.attn_mask if attn_mask is None else attn_mask              # [B, 1, E, S]
-        if full and fb.max_extend == 1 and kvh != h:
-            # decode with GQA: each kv head's query heads become its query rows (same math, and
-            # the CPU kernel is faster than with enable_gqa)
-            out = F.scaled_dot_product_attention(
-                q.view(bsz, kvh, h // kvh, d), keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask,
-                scale=self.scale)                                            # [B, kvH, G, D]
-            return out.reshape(bsz, h * d)
         out = F.scaled_dot_product_attention(
             q_pad, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask,
             scale=self.scale, enable_gqa=self.num_heads != self.num_kv_heads)  # [B, H, E, D]
         out = out.transpose(1, 2).reshape(bsz * fb.max_extend, h * d)
         return out if full else out[fb.q_pad_index]
+
+    def _gather(self, pool, slots: torch.Tensor, bsz: int, seq: int,
+                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values [B, S, kvH, D] of slots [B * S] (request-major), one gather for both."""
+        # NOTE: padded key columns read the sink slot or a stale slot; they are masked out, but
+        # must hold finite values (0 * NaN is NaN after softmax): every slot only ever holds real k/v.
+        # (index_select, not advanced indexing: several times faster for this row gather on CPU)
+        kv = pool.kv_buffers[self.layer_id].index_select(0, slots)
+        kv = kv.view(bsz, seq, 2, self.num_kv_heads, self.head_dim).to(dtype)
+        return kv[:, :, 0], kv[:, :, 1]
+
+    def _decode_grid(self, q: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor, pool) -> torch.Tensor:
+        """One query per request: q [B, H, D], slots [B * S], mask [B, 1, 1, S] -> [B, H*D]."""
+        bsz, h, d = q.shape
+        kvh = self.num_kv_heads
+        keys, values = self._gather(pool, slots, bsz, mask.shape[-1], q.dtype)
+        if kvh != h:
+            # GQA: each kv head's query heads become its query rows (same math, and the CPU
+            # kernel is faster than with enable_gqa)
+            out = F.scaled_dot_product_attention(
+                q.view(bsz, kvh, h // kvh, d), keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask,
+                scale=self.scale)                                            # [B, kvH, G, D]
+        else:
+            out = F.scaled_dot_product_attention(
+                q.view(bsz, 1, h, d).transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
+                attn_mask=mask, scale=self.scale)                            # [B, H, 1, D]
+        return out.reshape(bsz, h * d)
 
     @staticmethod
     def sliding_window_mask(fb: ForwardBatch, window: int) -> torch.Tensor:

@@ -16,34 +16,40 @@ from rollout.kv_pool import SINK_SLOT, KVPool
 
 
 def padded_forward_batch(batch: Optional[Any], *, kv_pool: KVPool, device: torch.device,
-                         capture: Optional[Any] = None, pad_to: int = 0, pad_chunk: int = 1) -> ForwardBatch:
+                         capture: Optional[Any] = None, pad_to: int = 0, pad_chunk: int = 1,
+                         segment_decode: bool = False) -> ForwardBatch:
     """batch: a ScheduledBatch or None (idle rank). pad_to: total tokens after padding (0 = none)."""
     input_ids: list[int] = []
     prefix_lens: list[int] = []
     extend_lens: list[int] = []
-    req_slots: list[torch.Tensor] = []
     locs: list[torch.Tensor] = []
     if batch is not None:
         for req, pre, ext in zip(batch.reqs, batch.prefix_lens, batch.extend_lens):
             input_ids += req.token_span(pre, pre + ext)
         prefix_lens += list(batch.prefix_lens)
         extend_lens += list(batch.extend_lens)
-        req_slots += [r.kv_slots for r in batch.reqs]
         locs.append(batch.out_cache_loc)
+    real = len(extend_lens)
     pad = pad_to - len(input_ids)
     assert pad_to == 0 or pad >= 0, (pad_to, len(input_ids))
     chunk = max(1, pad_chunk)
     while pad > 0:
         c = min(chunk, pad)
-        sink = torch.full((c,), SINK_SLOT, dtype=torch.int64)
         input_ids += [0] * c
         prefix_lens.append(0)
         extend_lens.append(c)
-        req_slots.append(sink)
-        locs.append(sink)
+        locs.append(torch.full((c,), SINK_SLOT, dtype=torch.int64))
         pad -= c
     if not extend_lens:
         return ForwardBatch.empty(kv_pool=kv_pool, capture=capture, device=device)
-    return ForwardBatch.build(input_ids=input_ids, out_cache_loc=torch.cat(locs), prefix_lens=prefix_lens,
-                              extend_lens=extend_lens, req_slots=req_slots, kv_pool=kv_pool, capture=capture,
-                              device=device)
+    if real == len(extend_lens):
+        kv_indices = batch.kv_indices
+    else:
+        # padding requests read and write only the sink slot
+        width = max(p + e for p, e in zip(prefix_lens, extend_lens))
+        kv_indices = torch.full((len(extend_lens), width), SINK_SLOT, dtype=torch.int64)
+        if real:
+            kv_indices[:real, :batch.kv_indices.shape[1]] = batch.kv_indices
+    return ForwardBatch.build(input_ids=input_ids, out_cache_loc=locs[0] if len(locs) == 1 else torch.cat(locs),
+                              prefix_lens=prefix_lens, extend_lens=extend_lens, kv_indices=kv_indices,
+                              kv_pool=kv_pool, capture=capture, device=device, segment_decode=segment_decode)
