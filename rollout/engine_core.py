@@ -175,16 +175,21 @@ class EngineCore:
                     self._finish(req, FinishReason("length"))
         if not to_sample:
             return
-        reqs = [batch.reqs[i] for i in to_sample]
+        reqs = [batch.reqs[i] for i in to_sample] if len(to_sample) < len(batch.reqs) else batch.reqs
         logits = out.logits if len(to_sample) == out.logits.shape[0] else out.logits[to_sample]
+        banned = None
+        if any(len(r.output_ids) < r.params.min_new_tokens for r in reqs):
+            banned = [self._banned_ids(r) for r in reqs]
         result = sample(
             logits, [r.params for r in reqs], [r.seed for r in reqs], [r.seq_len for r in reqs],
-            [r.output_ids for r in reqs], [self._banned_ids(r) for r in reqs], [r.top_logprobs_num for r in reqs])
+            [r.output_ids for r in reqs], banned, [r.top_logprobs_num for r in reqs])
         next_ids = result.next_ids.tolist()
         logprobs = result.logprobs.tolist()
         top = None
         if result.top_ids is not None:
             top = (result.top_logprobs.tolist(), result.top_ids.tolist())
+        self.stats["generated_tokens"] += len(reqs)
+        default_interval = self.cfg.stream_interval
         for j, req in enumerate(reqs):
             tok = next_ids[j]
             req.output_ids.append(tok)
@@ -192,14 +197,13 @@ class EngineCore:
             if req.top_logprobs_num:
                 n = req.top_logprobs_num
                 req.output_top_logprobs.append(list(zip(top[0][j][:n], top[1][j][:n])))
-            self.stats["generated_tokens"] += 1
             if req.detokenizer is not None:
                 req.detokenizer.step(req.output_ids)
             reason = self._check_finish(req, tok)
             if reason is not None:
                 self._finish(req, reason)
             elif req.stream and len(req.output_ids) - req.sent_tokens >= (
-                    req.params.stream_interval or self.cfg.stream_interval):
+                    req.params.stream_interval or default_interval):
                 self._emit_chunk(req, finished=False)
 
     def _banned_ids(self, req: Req) -> list[int]:

@@ -10,30 +10,31 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
+import numpy as np
 import torch
 
 from rollout.sampling_params import SamplingParams
 
-_M32 = 0xFFFFFFFF
+# splitmix64 (Steele, Lea, Flood 2014) constants; numpy's uint64 arithmetic wraps like the original.
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_MIX1, _MIX2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
+_S11, _S27, _S30, _S31 = np.uint64(11), np.uint64(27), np.uint64(30), np.uint64(31)
 
 
-def _fmix32(h: torch.Tensor) -> torch.Tensor:
-    # NOTE: values stay in [0, 2^32) inside int64; products wrap, and the mask keeps the low bits.
-    h = h ^ (h >> 16)
-    h = (h * 0x85EBCA6B) & _M32
-    h = h ^ (h >> 13)
-    h = (h * 0xC2B2AE35) & _M32
-    return h ^ (h >> 16)
+def _splitmix64(z: np.ndarray) -> np.ndarray:
+    z = (z ^ (z >> _S30)) * _MIX1
+    z = (z ^ (z >> _S27)) * _MIX2
+    return z ^ (z >> _S31)
 
 
-def counter_uniform(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """Uniform(0, 1) noise [B] float64 from (seed [B], position [B]): 53 hashed bits, never 0 or 1."""
-    lo, hi = seeds & _M32, (seeds >> 32) & _M32
-    h1 = _fmix32(_fmix32(positions & _M32) ^ lo)
-    h1 = _fmix32((h1 + hi * 0x27D4EB2F) & _M32)
-    h2 = _fmix32((h1 + 0x9E3779B9) & _M32)
-    bits = ((h1 >> 6) << 27) | (h2 >> 5)                                       # 26 + 27 bits
-    return (bits.to(torch.float64) + 0.5) * (1.0 / 2.0**53)
+def counter_uniform(seeds: Sequence[int] | torch.Tensor, positions: Sequence[int] | torch.Tensor) -> torch.Tensor:
+    """Uniform(0, 1) noise [B] float64 from (seed [B] in [0, 2^63), position [B]): 53 hashed
+    bits, never 0 or 1. (numpy: a handful of ops on a few dozen numbers costs a tenth of torch's.)"""
+    s = np.asarray(seeds, dtype=np.uint64)
+    p = np.asarray(positions, dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        h = _splitmix64(_splitmix64(s + _GOLDEN) ^ (p * _GOLDEN))
+    return torch.from_numpy(((h >> _S11).astype(np.float64) + 0.5) * (1.0 / 2.0**53))
 
 
 def inverse_cdf(logprobs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -91,24 +92,33 @@ def _truncate(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
 
 def sample(logits: torch.Tensor, params: Sequence[SamplingParams], seeds: Sequence[int],
            positions: Sequence[int], output_ids: Sequence[Sequence[int]],
-           banned_ids: Sequence[Sequence[int]], top_logprobs_num: Sequence[int]) -> SampleResult:
-    """logits: [B, V] fp32. banned_ids[b]: tokens masked for row b (eos/stop before min_new_tokens)."""
+           banned_ids: Optional[Sequence[Sequence[int]]], top_logprobs_num: Sequence[int]) -> SampleResult:
+    """logits: [B, V] fp32. banned_ids[b]: tokens masked for row b (eos/stop before min_new_tokens);
+    None when no row bans any."""
     logits = logits.float()
     bsz, vocab = logits.shape
-    logits = _apply_penalties(logits, params, output_ids)
-    if any(banned_ids):
+    first = params[0]
+    uniform = all(p.sampler_key == first.sampler_key for p in params)  # the usual RL batch
+    if not uniform or first.has_penalty:
+        logits = _apply_penalties(logits, params, output_ids)
+    if banned_ids is not None and any(banned_ids):
         logits = logits.clone()
         for i, ids in enumerate(banned_ids):
             if ids:
                 logits[i, list(ids)] = float("-inf")
-    is_greedy = [p.is_greedy for p in params]
-    temps = [1.0 if g else p.temperature for p, g in zip(params, is_greedy)]
-    if all(t == temps[0] for t in temps):  # NOTE: the usual RL batch; same values as per-row division
-        scaled = logits if temps[0] == 1.0 else logits / temps[0]
+    if uniform:
+        is_greedy = [first.is_greedy] * bsz
+        temp = first.sampler_key[1]
+        scaled = logits if temp == 1.0 else logits / temp   # NOTE: same values as per-row division
+        needs_trunc = [(not first.is_greedy) and (first.top_k > 0 or first.top_p < 1.0 or first.min_p > 0.0)] * bsz
+        modes = {first.logprob_mode}
     else:
+        is_greedy = [p.is_greedy for p in params]
+        temps = [1.0 if g else p.temperature for p, g in zip(params, is_greedy)]
         scaled = logits / torch.tensor(temps, dtype=torch.float32)[:, None]
-    needs_trunc = [(not g) and (p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0) for p, g in zip(params, is_greedy)]
-    if any(needs_trunc):
+        needs_trunc = [(not g) and (p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0) for p, g in zip(params, is_greedy)]
+        modes = {p.logprob_mode for p in params}
+    if needs_trunc[0] if uniform else any(needs_trunc):
         top_k = torch.tensor([p.top_k if t else -1 for p, t in zip(params, needs_trunc)], dtype=torch.int64)
         top_p = torch.tensor([p.top_p if t else 1.0 for p, t in zip(params, needs_trunc)], dtype=torch.float32)
         min_p = torch.tensor([p.min_p if t else 0.0 for p, t in zip(params, needs_trunc)], dtype=torch.float32)
@@ -119,12 +129,9 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams], seeds: Sequen
     if all(is_greedy):
         next_ids = torch.argmax(logits, dim=-1)
     else:
-        u = counter_uniform(torch.tensor(list(seeds), dtype=torch.int64),
-                            torch.tensor(list(positions), dtype=torch.int64))
-        next_ids = inverse_cdf(processed_lp, u)
+        next_ids = inverse_cdf(processed_lp, counter_uniform(seeds, positions))
         if any(is_greedy):
             next_ids = torch.where(torch.tensor(is_greedy), torch.argmax(logits, dim=-1), next_ids)
-    modes = {p.logprob_mode for p in params}
     per_mode = {}
     if "raw" in modes:
         per_mode["raw"] = torch.log_softmax(logits, dim=-1)

@@ -93,6 +93,12 @@ class SamplingParams:
         for t in ids:
             _check_number("stop_token_ids", t, 0, 2**31 - 1, integer=True)
         object.__setattr__(self, "stop_token_ids", tuple(ids))
+        # NOTE: not a field (no effect on ==, hash or replace): what the sampler does with this row,
+        # so a batch whose rows share one key is sampled with scalars, not per-row tensors.
+        greedy = self.is_greedy
+        object.__setattr__(self, "sampler_key", (
+            greedy, 1.0 if greedy else self.temperature, self.top_k if self.top_k > 0 else -1,
+            self.top_p, self.min_p, self.logprob_mode, self.has_penalty))
 
     @property
     def is_greedy(self) -> bool:
