@@ -127,33 +127,37 @@ def test_incremental_decode_matches_full_forward(tiny_checkpoint, arch, override
                                             ("mixtral", {"sliding_window": 5})],
                          ids=["qwen3_moe-gqa", "olmoe-mha", "mixtral-sliding_window"])
 def test_decode_segments_match_one_grid(tiny_checkpoint, arch, overrides):
-    """A decode batch of very different lengths (shortest first) attended in runs of similar
-    length gives the logits, KV and routing of one padded grid over the whole batch."""
+    """A decode batch of very different lengths attended in runs of similar length (shortest
+    first: three runs; any other order: one run) gives the logits, KV and routing of one padded
+    grid over the whole batch."""
     path = str(tiny_checkpoint(arch, **overrides))
     model, _ = load_model(path, torch.float32)
     lens = [3 + 15 * i for i in range(32)]                     # 3 .. 468 context tokens
     ps = prompts(lens, seed=4)
-    results = []
-    for segment in (False, True):
+    results = {}
+    for name, segment, order, runs in (("grid", False, range(32), []), ("runs", True, range(32), [0, 14, 24, 32]),
+                                       ("one run", True, range(31, -1, -1), [0, 32])):
         pool = new_pool(model, torch.float32, num_slots=sum(lens) + 64)
         slots = [pool.alloc(n + 1) for n in lens]
         forward_step(model, pool, [p[:-1] for p in ps], slots, [0] * len(ps))
-        out_loc = torch.stack([s[n - 1] for s, n in zip(slots, lens)])
-        fb = ForwardBatch.build(input_ids=[p[-1] for p in ps], out_cache_loc=out_loc, prefix_lens=[n - 1 for n in lens],
-                                extend_lens=[1] * len(ps), req_slots=[s[:n] for s, n in zip(slots, lens)],
+        fb = ForwardBatch.build(input_ids=[ps[i][-1] for i in order],
+                                out_cache_loc=torch.stack([slots[i][lens[i] - 1] for i in order]),
+                                prefix_lens=[lens[i] - 1 for i in order], extend_lens=[1] * len(ps),
+                                req_slots=[slots[i][:lens[i]] for i in order],
                                 kv_pool=pool, capture=RecordingCapture(), segment_decode=segment)
-        assert len(fb.segments) == (3 if segment else 0), [(g.lo, g.hi) for g in fb.segments]  # 0-14-24-32
-        if segment:
-            assert [g.lo for g in fb.segments][0] == 0 and fb.segments[-1].hi == len(ps)
-            assert all(a.hi == b.lo for a, b in zip(fb.segments, fb.segments[1:]))
+        assert [g.lo for g in fb.segments] + [g.hi for g in fb.segments][-1:] == runs
         logits = model(fb)
+        back = torch.tensor(list(order)).argsort()                  # rows back in length order
         used = torch.cat([s[:n] for s, n in zip(slots, lens)])
-        results.append((logits, [kv[used] for kv in pool.kv_buffers], fb.capture.ids))
-    (want, want_kv, want_ids), (got, got_kv, got_ids) = results
-    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
-    for a, b in zip(got_kv, want_kv):
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
-    assert got_ids.keys() == want_ids.keys() and all(torch.equal(got_ids[k], want_ids[k]) for k in got_ids)
+        results[name] = (logits[back], [kv[used] for kv in pool.kv_buffers],
+                         {k: v[back] for k, v in fb.capture.ids.items()})
+    want, want_kv, want_ids = results["grid"]
+    for name in ("runs", "one run"):
+        got, got_kv, got_ids = results[name]
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+        for a, b in zip(got_kv, want_kv):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+        assert got_ids.keys() == want_ids.keys() and all(torch.equal(got_ids[k], want_ids[k]) for k in got_ids)
 
 
 @pytest.mark.parametrize("arch,overrides", [("qwen2_moe", {}), ("mixtral", {"sliding_window": 5})],

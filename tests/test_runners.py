@@ -186,8 +186,9 @@ def test_piecewise_prefill_equals_one_forward(tiny_checkpoint, arch, overrides):
 
 @pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.bfloat16, 0.1)])
 def test_moe_expert_paths_agree(dtype, atol):
-    """The grouped-GEMM path (no host sync), the per-expert loop and the dense graph-safe path give
-    the same output over any expert range, on a whole module and on an expert shard."""
+    """The padded batched-matmul path, the grouped-GEMM path (no host sync), the per-expert loop
+    and the dense graph-safe path give the same output over any expert range, on a whole module
+    and on an expert shard."""
     torch.manual_seed(0)
     full = FusedExperts(hidden_size=16, intermediate_size=8, num_experts=6)
     with torch.no_grad():
@@ -202,11 +203,13 @@ def test_moe_expert_paths_agree(dtype, atol):
     x = torch.randn(11, 16, dtype=dtype)
     ids = torch.stack([torch.randperm(6)[:2] for _ in range(11)])
     w = torch.rand(11, 2)
-    assert FusedExperts.choose_impl(x, graph_safe=True) == "grouped"          # CPU: torch has it
+    assert FusedExperts.choose_impl(x, graph_safe=True, rows=22) == "grouped"          # CPU: torch has it
+    assert FusedExperts.choose_impl(x, graph_safe=False, rows=22) == "padded"
+    assert FusedExperts.choose_impl(x, graph_safe=False, rows=FusedExperts.PADDED_MAX_ROWS + 1) == "grouped"
     for module, ranges in ((full, (None, (0, 3), (3, 6), (2, 2), (1, 5))), (shard, (None, (2, 4), (4, 5)))):
         for rng in ranges:
             ref = module(x, w, ids, experts=rng, impl="loop").float()
-            for impl in ("grouped", "dense"):
+            for impl in ("padded", "grouped", "dense"):
                 got = module(x, w, ids, experts=rng, impl=impl).float()
                 assert torch.allclose(got, ref, atol=atol), (impl, rng, (got - ref).abs().max())
     parts = full(x, w, ids, experts=(0, 2)) + shard(x, w, ids) + full(x, w, ids, experts=(5, 6))
