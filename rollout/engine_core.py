@@ -166,17 +166,24 @@ class EngineCore:
                 self.scheduler.cache_unfinished(req)
         self.stats["num_forwards"] += 1
         self.stats["num_prefill_forwards" if batch.is_prefill else "num_decode_forwards"] += 1
-        to_sample = []
-        for i, req in enumerate(batch.reqs):
-            if batch.completes(i):
-                if req.params.max_new_tokens > len(req.output_ids):
-                    to_sample.append(i)
-                else:
-                    self._finish(req, FinishReason("length"))
-        if not to_sample:
-            return
-        reqs = [batch.reqs[i] for i in to_sample] if len(to_sample) < len(batch.reqs) else batch.reqs
-        logits = out.logits if len(to_sample) == out.logits.shape[0] else out.logits[to_sample]
+        if batch.is_prefill or not all(r.output_ids for r in batch.reqs):
+            to_sample = []
+            for i, req in enumerate(batch.reqs):
+                if batch.completes(i):
+                    if req.params.max_new_tokens > len(req.output_ids):
+                        to_sample.append(i)
+                    else:
+                        self._finish(req, FinishReason("length"))
+            if not to_sample:
+                return
+            reqs = [batch.reqs[i] for i in to_sample]
+        else:
+            # NOTE: a decode step completes every request, and one that has sampled before is
+            # below max_new_tokens (_check_finish finished it otherwise). A prompt's last token can
+            # come through a decode step too (chunked prefill): the general path above sees it.
+            to_sample = range(len(batch.reqs))
+            reqs = batch.reqs
+        logits = out.logits if len(to_sample) == out.logits.shape[0] else out.logits[list(to_sample)]
         banned = None
         if any(len(r.output_ids) < r.params.min_new_tokens for r in reqs):
             banned = [self._banned_ids(r) for r in reqs]

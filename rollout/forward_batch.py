@@ -103,7 +103,7 @@ class ForwardBatch:
             logits_indices = starts + ext - 1
         segments: tuple[DecodeSegment, ...] = ()
         if segment_decode and max_ext == 1:
-            segments = DecodeSegment.split(seq_lens, kv_indices, mask, kv_pool.dtype, dev)
+            segments = DecodeSegment.split(seq_lens, kv_indices, mask, dev)
         return ForwardBatch(
             input_ids=torch.tensor(input_ids, dtype=torch.int64, device=dev),
             positions=positions.to(dev),
@@ -128,13 +128,12 @@ class DecodeSegment:
     A decode batch pads every request's keys to the longest; with requests ordered shortest
     first (the scheduler's decode order), cutting it into runs of similar length skips most of
     those padded key cells, at the price of one more gather and SDPA call per layer per run.
-    The mask is additive (0 / -inf), made once per step instead of by SDPA in every layer.
     """
 
     lo: int
     hi: int
     kv_flat: torch.Tensor      # [(hi - lo) * width] int64 slots, request-major
-    bias: torch.Tensor         # [hi - lo, 1, 1, width] float32: 0 where the key is attended, else -inf
+    mask: torch.Tensor         # [hi - lo, 1, 1, width] bool, True = attend
 
     # NOTE: a cut must skip at least this many padded key cells (one more gather + SDPA per layer
     # costs about as much as ~600 cells of attention on CPU), and runs keep at least MIN_RUN requests.
@@ -142,7 +141,7 @@ class DecodeSegment:
     MIN_RUN = 8
 
     @staticmethod
-    def split(seq_lens: list[int], kv_indices: torch.Tensor, mask: torch.Tensor, dtype: torch.dtype,
+    def split(seq_lens: list[int], kv_indices: torch.Tensor, mask: torch.Tensor,
               device: torch.device) -> tuple["DecodeSegment", ...]:
         """Runs of a decode batch: several when it is ordered by seq_len (ascending) and cutting
         pays, else one run over the whole batch."""
@@ -156,10 +155,9 @@ class DecodeSegment:
                     cuts.append(j)
                     hi, top = j, seq_lens[j - 1]
         cuts.append(0)
-        bias = torch.zeros(mask.shape, dtype=dtype).masked_fill_(~mask, float("-inf"))
         out = []
         for hi, lo in zip(cuts, cuts[1:]):
             width = max(seq_lens[lo:hi]) if len(cuts) == 2 else seq_lens[hi - 1]
             out.append(DecodeSegment(lo=lo, hi=hi, kv_flat=kv_indices[lo:hi, :width].reshape(-1).to(device),
-                                     bias=bias[lo:hi, :, :, :width].to(device)))
+                                     mask=mask[lo:hi, :, :, :width].to(device)))
         return tuple(reversed(out))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 from collections import deque
+from operator import attrgetter
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -42,10 +43,6 @@ class ScheduledBatch:
         return self.prefix_lens[i] + self.extend_lens[i] == req.seq_len
 
 
-def _by_kv_len(req: Req) -> int:
-    return req.kv_len
-
-
 class Scheduler:
     def __init__(self, *, kv_pool: KVPool, cache: RadixCache, max_running_requests: int,
                  prefill_token_budget: int, context_length: int,
@@ -63,6 +60,8 @@ class Scheduler:
         self.running: list[Req] = []        # admitted: holding KV (prefilling or decoding)
         self._admit_counter = 0
         self.num_retractions = 0
+        # True unless no running request can be mid-prefill (set on every prefill scheduling)
+        self._maybe_chunked = False
 
     # ---- queue management ------------------------------------------------------------------
     def add(self, req: Req) -> None:
@@ -156,9 +155,19 @@ class Scheduler:
         return self._schedule_prefill() or self._schedule_decode()
 
     def _schedule_prefill(self) -> Optional[ScheduledBatch]:
+        if not self.waiting and not self._maybe_chunked:
+            return None   # NOTE: the usual decode step: no scan of the running requests
+        batch = self._schedule_prefill_from(self._chunked())
+        self._maybe_chunked = bool(self._chunked())
+        return batch
+
+    def _chunked(self) -> list[Req]:
+        """Running requests whose prompt is not fully computed yet (chunked prefill)."""
+        return [r for r in self.running if r.kv_len < r.seq_len - 1]
+
+    def _schedule_prefill_from(self, chunked: list[Req]) -> Optional[ScheduledBatch]:
         budget = self.prefill_token_budget
         reqs, ext, pre, locs = [], [], [], []
-        chunked = [r for r in self.running if r.kv_len < r.seq_len - 1]
         candidates = chunked + list(self.waiting)
         running_count = len(self.running)
         for req in candidates:
@@ -231,7 +240,7 @@ class Scheduler:
             self.retract(max(self.running, key=lambda r: r.admit_seq))
         # NOTE: shortest first: attention splits a decode batch into runs of similar length
         # (ForwardBatch.segments), so that short requests do not pad to the longest.
-        reqs = sorted(self.running, key=_by_kv_len)
+        reqs = sorted(self.running, key=attrgetter("kv_len"))
         pre = [r.kv_len for r in reqs]
         rows = torch.tensor([r.kv_row for r in reqs], dtype=torch.int64)
         self.req_to_token.append_one(rows, torch.tensor(pre, dtype=torch.int64), slots)

@@ -174,6 +174,13 @@ def test_stop_conditions(qwen3):
         zero = engine.generate(input_ids=[prompt], sampling_params={"max_new_tokens": 0})[0]
         assert zero.output_ids == [] and zero.finish_reason == "length"
         engine.check_integrity()
+    # a prompt's last token computed by a decode step (chunked prefill of 1 token)
+    with make_engine(qwen3, chunked_prefill_size=1) as engine:
+        zero, one = engine.generate(input_ids=[prompt[:5], prompt[:6]],
+                                    sampling_params=[{"max_new_tokens": 0}, {**GREEDY, "max_new_tokens": 1}])
+        assert zero.output_ids == [] and zero.finish_reason == "length"
+        assert len(one.output_ids) == 1 and one.finish_reason == "length"
+        engine.check_integrity()
 
 
 def test_to_dict_shape(qwen3):

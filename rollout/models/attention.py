@@ -42,7 +42,7 @@ class PagedAttention(nn.Module):
         bsz, seq = fb.kv_indices.shape
         if fb.segments and attn_mask is None:
             # a decode batch in runs of similar length (one query per request, in batch order)
-            return torch.cat([self._decode_grid(q[s.lo:s.hi], s.kv_flat, s.bias, fb.kv_pool) for s in fb.segments])
+            return torch.cat([self._decode_grid(q[s.lo:s.hi], s.kv_flat, s.mask, fb.kv_pool) for s in fb.segments])
         # every request has max_extend tokens (decode; a full bucket): the grid is q itself
         full = n == bsz * fb.max_extend
         mask = fb.attn_mask if attn_mask is None else attn_mask              # [B, 1, E, S]
@@ -72,8 +72,7 @@ class PagedAttention(nn.Module):
         return kv[:, :, 0], kv[:, :, 1]
 
     def _decode_grid(self, q: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor, pool) -> torch.Tensor:
-        """One query per request: q [B, H, D], slots [B * S], mask [B, 1, 1, S] (bool, or additive
-        in q's dtype) -> [B, H*D]."""
+        """One query per request: q [B, H, D], slots [B * S], mask [B, 1, 1, S] -> [B, H*D]."""
         bsz, h, d = q.shape
         kvh = self.num_kv_heads
         keys, values = self._gather(pool, slots, bsz, mask.shape[-1], q.dtype)

@@ -24,8 +24,12 @@ def padded_forward_batch(batch: Optional[Any], *, kv_pool: KVPool, device: torch
     extend_lens: list[int] = []
     locs: list[torch.Tensor] = []
     if batch is not None:
-        for req, pre, ext in zip(batch.reqs, batch.prefix_lens, batch.extend_lens):
-            input_ids += req.token_span(pre, pre + ext)
+        if batch.is_prefill:
+            for req, pre, ext in zip(batch.reqs, batch.prefix_lens, batch.extend_lens):
+                input_ids += req.token_span(pre, pre + ext)
+        else:
+            # decode: each request's last token (a prompt's own last one after a chunked prefill)
+            input_ids = [(req.output_ids or req.prompt_ids)[-1] for req in batch.reqs]
         prefix_lens += list(batch.prefix_lens)
         extend_lens += list(batch.extend_lens)
         locs.append(batch.out_cache_loc)
