@@ -15,6 +15,7 @@ import os
 import random
 import statistics
 import sys
+import threading
 import time
 
 import torch
@@ -76,6 +77,19 @@ def run_hf(model_path: str, prompts, max_news) -> tuple[float, int]:
     return dt, sum(m for _, m in rows)   # useful tokens after truncating each row to its max_new_tokens
 
 
+def in_thread(fn, *args):
+    """fn(*args) in a thread of its own: torch's OpenMP pool lives and dies with that thread, so
+    the engines started afterwards are not slowed by it (libgomp throttles every pool while more
+    OpenMP threads exist than CPUs)."""
+    out: list = []
+    worker = threading.Thread(target=lambda: out.append(fn(*args)))
+    worker.start()
+    worker.join()
+    if not out:
+        raise RuntimeError(f"{fn.__name__} failed (see the thread's traceback above)")
+    return out[0]
+
+
 def decode_batch(core: EngineCore, bsz: int, ctx: int) -> ForwardBatch:
     slots = core.kv_pool.alloc(bsz * (ctx + 1))
     assert slots is not None, "KV pool too small for the bare-forward benchmark"
@@ -134,7 +148,9 @@ def main(argv=None) -> None:
     ap.add_argument("--model-path", default=DEFAULT_MODEL_PATH)
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--n", type=int, default=8)
-    ap.add_argument("--repeats", type=int, default=3, help="engine runs each with capture off and on, alternating (fresh engine per run)")
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="repeats of: engine capture off, engine capture on (fresh engine each), transformers; "
+                         "and of the batch-64 overhead runs (medians reported)")
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--json", metavar="PATH")
     args = ap.parse_args(argv)
@@ -149,35 +165,51 @@ def main(argv=None) -> None:
     # NOTE: one engine alive at a time. Each engine thread has its own OpenMP pool, and libgomp
     # throttles every pool once more OpenMP threads exist than CPUs: two engines alive at once
     # (or heavy torch work in another thread) would slow both.
-    t_off, t_on = [], []
+    t_off, t_on, t_hf = [], [], []
+    useful = total
     for _ in range(args.repeats):
         for capture, times in ((False, t_off), (True, t_on)):
             with Rollout(args.model_path, enable_return_routed_experts=capture) as engine:
                 run_engine(engine, prompts[:2], [m[:2] for m in max_news[:2]], capture)   # warm-up
                 times.append(run_engine(engine, prompts, max_news, capture)[0])
+        if not args.skip_hf:
+            # NOTE: interleaved with the engine runs (no engine alive meanwhile), so both see the
+            # same background load on these shared machines
+            dt, useful = in_thread(run_hf, args.model_path, prompts, max_news)
+            t_hf.append(dt)
     tps_off, tps_on = total / statistics.median(t_off), total / statistics.median(t_on)
     res["engine_tok_s"], res["engine_capture_tok_s"] = tps_off, tps_on
     res["capture_on_off_ratio"] = tps_on / tps_off
     res["engine_runs_s"], res["engine_capture_runs_s"] = t_off, t_on
-    if not args.skip_hf:
-        dt, useful = run_hf(args.model_path, prompts, max_news)
-        res["hf_tok_s"] = useful / dt
+    if t_hf:
+        res["hf_tok_s"] = useful / statistics.median(t_hf)
+        res["hf_runs_s"] = t_hf
         res["engine_vs_hf"] = tps_off / res["hf_tok_s"]
+        # per repeat, each engine run against the transformers run next to it
+        res["engine_vs_hf_per_repeat"] = [h / e for e, h in zip(t_off, t_hf)]
     core = EngineCore(EngineConfig(model_path=args.model_path))
     res["bare_forward"] = []
     for bsz in (1, 8, 32, 64, 128):
         t = bare_forward_time(core, bsz, 200, 10)
         res["bare_forward"].append({"batch": bsz, "ctx": 200, "ms": t * 1e3, "tok_s": bsz / t})
     del core
-    res["decode_overhead"] = [engine_decode_overhead(args.model_path, 64, 144, 64, cap) for cap in (False, True)]
+    runs = [engine_decode_overhead(args.model_path, 64, 144, 64, cap)
+            for _ in range(args.repeats) for cap in (False, True)]
+    res["decode_overhead_runs"] = runs
+    res["decode_overhead"] = []
+    for cap in (False, True):
+        mine = [r for r in runs if r["capture"] == cap]
+        res["decode_overhead"].append({key: statistics.median(r[key] for r in mine) for key in
+                                       ("step_ms", "model_forward_ms", "overhead")} | {"batch": 64, "capture": cap})
 
     print("\n| measurement | output tok/s | ratio |")
     print("|---|---|---|")
     print(f"| engine, capture off | {tps_off:.0f} | 1.00 |")
     print(f"| engine, capture on (return_routed_experts) | {tps_on:.0f} | {tps_on / tps_off:.3f} (on/off) |")
     if "hf_tok_s" in res:
+        per = ", ".join(f"{x:.2f}" for x in res["engine_vs_hf_per_repeat"])
         print(f"| transformers generate (batched, truncated) | {res['hf_tok_s']:.0f} | "
-              f"{res['engine_vs_hf']:.2f}x (engine/hf) |")
+              f"{res['engine_vs_hf']:.2f}x (engine/hf; per repeat {per}) |")
     print("\n| bare forward, decode batch | ctx | ms/step | tok/s |")
     print("|---|---|---|---|")
     for r in res["bare_forward"]:
