@@ -19,12 +19,12 @@ SINK_ROW = 0
 
 
 class ReqToTokenPool:
-    def __init__(self, *, num_rows: int, width: int, device: torch.device | str = "cpu"):
+    def __init__(self, *, num_rows: int, width: int):
         if num_rows <= 0 or width <= 0:
             raise ValueError(f"num_rows and width must be > 0, got {num_rows} and {width}")
         self.num_rows = num_rows
         self.width = width
-        self.table = torch.full((num_rows + 1, width), SINK_SLOT, dtype=torch.int32, device=device)
+        self.table = torch.full((num_rows + 1, width), SINK_SLOT, dtype=torch.int32)   # host memory
         self._free = list(range(num_rows, 0, -1))  # pop() hands out low rows first
 
     def available(self) -> int:

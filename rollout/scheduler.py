@@ -49,9 +49,9 @@ class Scheduler:
                  on_retract: Optional[Callable[[Req], None]] = None):
         self.kv_pool = kv_pool
         # NOTE: one row per admitted request; hold_admission lowers max_running_requests to 0
-        # at times, never above this.
-        self.req_to_token = ReqToTokenPool(num_rows=max(1, max_running_requests), width=context_length,
-                                           device=kv_pool.device)
+        # at times, never above this. Host memory, like the rest of the scheduler's state:
+        # ForwardBatch.build moves each batch's slot table to the model's device.
+        self.req_to_token = ReqToTokenPool(num_rows=max(1, max_running_requests), width=context_length)
         self.cache = cache
         self.max_running_requests = max_running_requests
         self.prefill_token_budget = prefill_token_budget
