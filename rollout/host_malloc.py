@@ -8,6 +8,10 @@ twice as long as the same run later in the process. Raising the mmap threshold t
 (32 MiB on 64-bit) and the trim threshold keeps such buffers in the heap and reuses them. The
 cost: freed memory up to the trim threshold stays with the process instead of going back to the
 OS. No effect (and no error) on other C libraries.
+
+Large, randomly gathered buffers (the KV pool) are also backed by transparent huge pages where
+the kernel allows them on request (`madvise` mode, the usual default): every decode step gathers
+each request's KV rows from all over the pool, and with 4 KiB pages those reads miss the TLB.
 """
 from __future__ import annotations
 
@@ -15,12 +19,16 @@ import ctypes
 import ctypes.util
 import logging
 
+import torch
+
 logger = logging.getLogger(__name__)
 
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
 MMAP_THRESHOLD_BYTES = 32 * 2**20      # glibc's upper limit on 64-bit
 TRIM_THRESHOLD_BYTES = 512 * 2**20
+_MADV_HUGEPAGE = 14                    # Linux
+HUGE_PAGE_BYTES = 2 * 2**20
 
 
 def tune_glibc_malloc() -> bool:
@@ -34,3 +42,22 @@ def tune_glibc_malloc() -> bool:
                                                                                  TRIM_THRESHOLD_BYTES))
     logger.debug("glibc malloc thresholds %s", "set" if ok else "not accepted")
     return ok
+
+
+def advise_huge_pages(t: torch.Tensor) -> bool:
+    """Asks Linux to back the 2 MiB-aligned part of a CPU tensor's memory with transparent huge
+    pages; call before the memory is first written. True when the kernel accepted the advice."""
+    if t.device.type != "cpu" or not t.is_contiguous():
+        return False
+    start = t.data_ptr()
+    lo = -(-start // HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES
+    hi = (start + t.numel() * t.element_size()) // HUGE_PAGE_BYTES * HUGE_PAGE_BYTES
+    if hi <= lo:
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        madvise = libc.madvise
+    except (OSError, AttributeError):
+        return False
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return madvise(lo, hi - lo, _MADV_HUGEPAGE) == 0

@@ -14,8 +14,8 @@ import json
 import os
 import random
 import statistics
+import subprocess
 import sys
-import threading
 import time
 
 import torch
@@ -77,17 +77,23 @@ def run_hf(model_path: str, prompts, max_news) -> tuple[float, int]:
     return dt, sum(m for _, m in rows)   # useful tokens after truncating each row to its max_new_tokens
 
 
-def in_thread(fn, *args):
-    """fn(*args) in a thread of its own: torch's OpenMP pool lives and dies with that thread, so
-    the engines started afterwards are not slowed by it (libgomp throttles every pool while more
-    OpenMP threads exist than CPUs)."""
-    out: list = []
-    worker = threading.Thread(target=lambda: out.append(fn(*args)))
-    worker.start()
-    worker.join()
-    if not out:
-        raise RuntimeError(f"{fn.__name__} failed (see the thread's traceback above)")
-    return out[0]
+def run_hf_process(model_path: str, num_prompts: int, n: int) -> tuple[float, int]:
+    """run_hf in a fresh Python process, as a user would run transformers: nothing of this
+    process (the engines' glibc malloc tuning, torch's OpenMP pools) touches it."""
+    code = ("import json, sys; sys.path.insert(0, sys.argv[1]); import bench_throughput as b; "
+            "print(json.dumps(b.hf_worker(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))))")
+    out = subprocess.run([sys.executable, "-c", code, os.path.dirname(os.path.abspath(__file__)), model_path,
+                          str(num_prompts), str(n)], check=True, capture_output=True, text=True)
+    dt, useful = json.loads(out.stdout.strip().splitlines()[-1])
+    return dt, useful
+
+
+def hf_worker(model_path: str, num_prompts: int, n: int) -> tuple[float, int]:
+    from transformers import AutoConfig
+
+    vocab = AutoConfig.from_pretrained(model_path).vocab_size
+    prompts, max_news = workload(num_prompts, n, vocab)
+    return run_hf(model_path, prompts, max_news)
 
 
 def decode_batch(core: EngineCore, bsz: int, ctx: int) -> ForwardBatch:
@@ -175,7 +181,7 @@ def main(argv=None) -> None:
         if not args.skip_hf:
             # NOTE: interleaved with the engine runs (no engine alive meanwhile), so both see the
             # same background load on these shared machines
-            dt, useful = in_thread(run_hf, args.model_path, prompts, max_news)
+            dt, useful = run_hf_process(args.model_path, args.prompts, args.n)
             t_hf.append(dt)
     tps_off, tps_on = total / statistics.median(t_off), total / statistics.median(t_on)
     res["engine_tok_s"], res["engine_capture_tok_s"] = tps_off, tps_on

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from hypothesis import HealthCheck, settings
@@ -409,3 +411,18 @@ TestRadixCacheMachine = RadixCacheMachine.TestCase
 TestRadixCacheMachine.settings = settings(
     max_examples=300, stateful_step_count=60, deadline=None,
     suppress_health_check=[HealthCheck.too_slow])
+
+
+def test_cpu_kv_pool_asks_for_huge_pages():
+    """The pool's buffers are zero and, on a Linux kernel with transparent huge pages, advised
+    to use them (attention gathers rows from all over the pool)."""
+    from rollout.host_malloc import HUGE_PAGE_BYTES, advise_huge_pages
+
+    pool = KVPool(num_slots=4096, num_layers=2, num_kv_heads=2, head_dim=64, dtype=torch.float32)
+    assert all(bool((b == 0).all()) for b in pool.kv_buffers)
+    assert not advise_huge_pages(torch.empty(16))                          # less than one huge page
+    assert not advise_huge_pages(torch.empty(4 * HUGE_PAGE_BYTES // 4)[::2])  # not contiguous
+    thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    if not thp.exists() or "[never]" in thp.read_text():
+        pytest.skip("no transparent huge pages on this kernel")
+    assert advise_huge_pages(torch.empty(4 * HUGE_PAGE_BYTES // 4))
