@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import accumulate
+from operator import mul
 from typing import Any, Optional, Sequence
 
 import torch
@@ -34,7 +36,7 @@ class ForwardBatch:
     layout: Optional[Any] = None
     ep_group: Optional[Any] = None
     graph_safe: bool = False         # no host syncs (CUDA graph capture): see FusedExperts.choose_impl
-    segments: tuple = ()             # DecodeSegments of an eager decode batch, () = the grid above
+    segments: tuple = ()             # AttentionSegments of an eager batch, () = the grid above
 
     @property
     def num_tokens(self) -> int:
@@ -61,11 +63,11 @@ class ForwardBatch:
               extend_lens: list[int], kv_indices: Optional[torch.Tensor] = None,
               req_slots: Optional[Sequence[torch.Tensor]] = None, kv_pool: KVPool,
               capture: Optional[Any] = None, device: torch.device | str = "cpu",
-              segment_decode: bool = False) -> "ForwardBatch":
+              segment_attention: bool = False) -> "ForwardBatch":
         """KV slots by position, one of: kv_indices [B, >= max seq_len] (cells past a request's
         length are never read unmasked), or req_slots[b], request b's slots for positions
-        0 .. prefix+extend-1 (new ones included). segment_decode: split a decode batch whose
-        requests come shortest first into runs of similar length (see DecodeSegment)."""
+        0 .. prefix+extend-1 (new ones included). segment_attention: attend in AttentionSegments
+        (runs of requests of similar shape; the scheduler orders batches by shape)."""
         bsz = len(extend_lens)
         assert bsz == len(prefix_lens) and bsz > 0
         seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
@@ -101,9 +103,9 @@ class ForwardBatch:
             mask[:, :, 0] = True
             mask = mask[:, None]
             logits_indices = starts + ext - 1
-        segments: tuple[DecodeSegment, ...] = ()
-        if segment_decode and max_ext == 1:
-            segments = DecodeSegment.split(seq_lens, kv_indices, mask, dev)
+        segments: tuple[AttentionSegment, ...] = ()
+        if segment_attention:
+            segments = AttentionSegment.split(extend_lens, seq_lens, kv_indices, dev)
         return ForwardBatch(
             input_ids=torch.tensor(input_ids, dtype=torch.int64, device=dev),
             positions=positions.to(dev),
@@ -122,42 +124,62 @@ class ForwardBatch:
 
 
 @dataclass(frozen=True)
-class DecodeSegment:
-    """Requests lo .. hi-1 of a decode batch, attended together over their own longest length.
+class AttentionSegment:
+    """Requests lo .. hi-1 (tokens tok_lo .. tok_hi-1) attended as one grid of their own:
+    [hi - lo, extend] queries over [hi - lo, width] keys, instead of the batch's
+    [B, max_extend] x [B, max_seq].
 
-    A decode batch pads every request's keys to the longest; with requests ordered shortest
-    first (the scheduler's decode order), cutting it into runs of similar length skips most of
-    those padded key cells, at the price of one more gather and SDPA call per layer per run.
+    One grid for a whole batch pads every request to the longest one in both directions. Two
+    batch shapes waste most of it: a decode batch with very different context lengths, and a
+    prefill step where the n samples of a GRPO prompt each compute only their last prompt token
+    (the rest is a prefix-cache hit) next to requests computing whole prompts. With requests
+    ordered by shape (the scheduler sorts decode batches by length and prefill batches by new
+    tokens), cutting the batch into runs skips those padded cells, at the price of one more
+    gather and SDPA call per layer per run.
     """
 
     lo: int
     hi: int
-    kv_flat: torch.Tensor      # [(hi - lo) * width] int64 slots, request-major
-    mask: torch.Tensor         # [hi - lo, 1, 1, width] bool, True = attend
+    tok_lo: int
+    tok_hi: int
+    extend: int                           # the run's most new tokens
+    width: int                            # the run's longest KV length
+    kv_flat: torch.Tensor                 # [(hi - lo) * width] int64 slots, request-major
+    q_pad_index: Optional[torch.Tensor]   # [tok_hi - tok_lo] flat index in the run's grid; None: no padding
 
-    # NOTE: a cut must skip at least this many padded key cells (one more gather + SDPA per layer
-    # costs about as much as ~600 cells of attention on CPU), and runs keep at least MIN_RUN requests.
+    # NOTE: a cut must skip at least this many padded (query, key) cells: one more gather + SDPA
+    # per layer costs about as much as ~600 cells of decode attention on CPU.
     MIN_SAVED_CELLS = 2048
-    MIN_RUN = 8
 
     @staticmethod
-    def split(seq_lens: list[int], kv_indices: torch.Tensor, mask: torch.Tensor,
-              device: torch.device) -> tuple["DecodeSegment", ...]:
-        """Runs of a decode batch: several when it is ordered by seq_len (ascending) and cutting
-        pays, else one run over the whole batch."""
+    def split(extend_lens: list[int], seq_lens: list[int], kv_indices: torch.Tensor,
+              device: torch.device) -> tuple["AttentionSegment", ...]:
+        """Runs of a batch, cut greedily from its end where a cut saves MIN_SAVED_CELLS; one run
+        over the whole batch when no cut pays (any request order is correct, a sorted one cuts)."""
         bsz = len(seq_lens)
+        pre_e, pre_s = list(accumulate(extend_lens, max)), list(accumulate(seq_lens, max))  # maxima over 0 .. j
         cuts = [bsz]
-        if bsz >= 2 * DecodeSegment.MIN_RUN and all(a <= b for a, b in zip(seq_lens, seq_lens[1:])):
-            hi, top = bsz, seq_lens[-1]
-            for j in range(bsz - DecodeSegment.MIN_RUN, DecodeSegment.MIN_RUN - 1, -1):
-                # cutting before request j: requests 0 .. j-1 pad to seq_lens[j-1] instead of top
-                if j <= hi - DecodeSegment.MIN_RUN and (top - seq_lens[j - 1]) * j >= DecodeSegment.MIN_SAVED_CELLS:
-                    cuts.append(j)
-                    hi, top = j, seq_lens[j - 1]
+        hi, top_e, top_s = bsz, 0, 0
+        padded = bsz * pre_e[-1] * pre_s[-1] - sum(map(mul, extend_lens, seq_lens))
+        for j in range(bsz - 1, 0, -1) if padded >= AttentionSegment.MIN_SAVED_CELLS else ():
+            # top run j .. hi-1, bottom run 0 .. j-1, against one run 0 .. hi-1
+            top_e, top_s = max(top_e, extend_lens[j]), max(top_s, seq_lens[j])
+            saved = hi * pre_e[hi - 1] * pre_s[hi - 1] - j * pre_e[j - 1] * pre_s[j - 1] - (hi - j) * top_e * top_s
+            if saved >= AttentionSegment.MIN_SAVED_CELLS:
+                cuts.append(j)
+                hi, top_e, top_s = j, 0, 0
         cuts.append(0)
+        starts = [0]
+        for e in extend_lens:
+            starts.append(starts[-1] + e)
         out = []
         for hi, lo in zip(cuts, cuts[1:]):
-            width = max(seq_lens[lo:hi]) if len(cuts) == 2 else seq_lens[hi - 1]
-            out.append(DecodeSegment(lo=lo, hi=hi, kv_flat=kv_indices[lo:hi, :width].reshape(-1).to(device),
-                                     mask=mask[lo:hi, :, :, :width].to(device)))
+            ext = max(extend_lens[lo:hi])
+            width = max(seq_lens[lo:hi])
+            q_pad_index = None
+            if any(e != ext for e in extend_lens[lo:hi]):
+                q_pad_index = torch.cat([torch.arange(e) + i * ext for i, e in enumerate(extend_lens[lo:hi])]).to(device)
+            out.append(AttentionSegment(lo=lo, hi=hi, tok_lo=starts[lo], tok_hi=starts[hi], extend=ext, width=width,
+                                        kv_flat=kv_indices[lo:hi, :width].reshape(-1).to(device),
+                                        q_pad_index=q_pad_index))
         return tuple(reversed(out))

@@ -211,7 +211,12 @@ class Scheduler:
                 break
         if not reqs:
             return None
-        return ScheduledBatch(reqs, ext, pre, torch.cat(locs), is_prefill=True,
+        # NOTE: fewest new tokens first: attention cuts the batch into runs of similar shape
+        # (ForwardBatch.segments); a GRPO group's samples that only compute their last prompt
+        # token then do not pad to a whole prompt's queries.
+        order = sorted(range(len(reqs)), key=lambda i: (ext[i], pre[i] + ext[i]))
+        reqs, ext, pre = [reqs[i] for i in order], [ext[i] for i in order], [pre[i] for i in order]
+        return ScheduledBatch(reqs, ext, pre, torch.cat([locs[i] for i in order]), is_prefill=True,
                               kv_indices=self._kv_indices(reqs, max(p + e for p, e in zip(pre, ext))))
 
     def _kv_indices(self, reqs: list[Req], width: int) -> torch.Tensor:
@@ -238,7 +243,7 @@ class Scheduler:
             if len(self.running) == 1:
                 return None  # NOTE: cannot happen: requests that cannot fit alone are rejected up front
             self.retract(max(self.running, key=lambda r: r.admit_seq))
-        # NOTE: shortest first: attention splits a decode batch into runs of similar length
+        # NOTE: shortest first: attention cuts a decode batch into runs of similar length
         # (ForwardBatch.segments), so that short requests do not pad to the longest.
         reqs = sorted(self.running, key=attrgetter("kv_len"))
         pre = [r.kv_len for r in reqs]

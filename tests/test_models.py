@@ -127,16 +127,18 @@ def test_incremental_decode_matches_full_forward(tiny_checkpoint, arch, override
                                             ("mixtral", {"sliding_window": 5})],
                          ids=["qwen3_moe-gqa", "olmoe-mha", "mixtral-sliding_window"])
 def test_decode_segments_match_one_grid(tiny_checkpoint, arch, overrides):
-    """A decode batch of very different lengths attended in runs of similar length (shortest
-    first: three runs; any other order: one run) gives the logits, KV and routing of one padded
-    grid over the whole batch."""
+    """A decode batch of very different lengths attended in runs of similar length (cut where a
+    cut pays, whatever the order) gives the logits, KV and routing of one padded grid over the
+    whole batch."""
     path = str(tiny_checkpoint(arch, **overrides))
     model, _ = load_model(path, torch.float32)
     lens = [3 + 15 * i for i in range(32)]                     # 3 .. 468 context tokens
     ps = prompts(lens, seed=4)
+    shuffled = torch.randperm(32, generator=torch.Generator().manual_seed(0)).tolist()
     results = {}
-    for name, segment, order, runs in (("grid", False, range(32), []), ("runs", True, range(32), [0, 14, 24, 32]),
-                                       ("one run", True, range(31, -1, -1), [0, 32])):
+    for name, segment, order, min_runs in (("grid", False, range(32), 0), ("ascending", True, range(32), 3),
+                                           ("descending", True, range(31, -1, -1), 3),
+                                           ("shuffled", True, shuffled, 1)):
         pool = new_pool(model, torch.float32, num_slots=sum(lens) + 64)
         slots = [pool.alloc(n + 1) for n in lens]
         forward_step(model, pool, [p[:-1] for p in ps], slots, [0] * len(ps))
@@ -144,20 +146,57 @@ def test_decode_segments_match_one_grid(tiny_checkpoint, arch, overrides):
                                 out_cache_loc=torch.stack([slots[i][lens[i] - 1] for i in order]),
                                 prefix_lens=[lens[i] - 1 for i in order], extend_lens=[1] * len(ps),
                                 req_slots=[slots[i][:lens[i]] for i in order],
-                                kv_pool=pool, capture=RecordingCapture(), segment_decode=segment)
-        assert [g.lo for g in fb.segments] + [g.hi for g in fb.segments][-1:] == runs
+                                kv_pool=pool, capture=RecordingCapture(), segment_attention=segment)
+        runs = fb.segments
+        assert len(runs) >= min_runs and (not runs or (runs[0].lo, runs[-1].hi) == (0, 32))
+        assert all(a.hi == b.lo and a.tok_hi == b.tok_lo for a, b in zip(runs, runs[1:]))
+        assert all(g.width == max(lens[i] for i in list(order)[g.lo:g.hi]) for g in runs)
         logits = model(fb)
         back = torch.tensor(list(order)).argsort()                  # rows back in length order
         used = torch.cat([s[:n] for s, n in zip(slots, lens)])
         results[name] = (logits[back], [kv[used] for kv in pool.kv_buffers],
                          {k: v[back] for k, v in fb.capture.ids.items()})
     want, want_kv, want_ids = results["grid"]
-    for name in ("runs", "one run"):
+    for name in ("ascending", "descending", "shuffled"):
         got, got_kv, got_ids = results[name]
         torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
         for a, b in zip(got_kv, want_kv):
             torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
         assert got_ids.keys() == want_ids.keys() and all(torch.equal(got_ids[k], want_ids[k]) for k in got_ids)
+
+
+@pytest.mark.parametrize("arch,overrides", [("qwen3_moe", {}), ("mixtral", {"sliding_window": 5})],
+                         ids=["qwen3_moe", "mixtral-sliding_window"])
+def test_prefill_segments_match_one_grid(tiny_checkpoint, arch, overrides):
+    """A prefill step as GRPO makes it (many requests computing only their last prompt token over
+    a cached prefix, next to whole prompts and a chunk), fewest new tokens first, attended in
+    runs: every token's logits, the KV and the routing of one padded grid."""
+    path = str(tiny_checkpoint(arch, **overrides))
+    model, _ = load_model(path, torch.float32)
+    # (cached prefix, new tokens) per request, fewest new tokens first
+    shape = [(60 + 3 * i, 1) for i in range(12)] + [(30, 20), (0, 70), (0, 90), (0, 110)]
+    ps = prompts([p + e for p, e in shape], seed=5)
+    results = {}
+    for segment in (False, True):
+        pool = new_pool(model, torch.float32, num_slots=sum(p + e for p, e in shape) + 64)
+        slots = [pool.alloc(p + e) for p, e in shape]
+        cached = [b for b, (p, _) in enumerate(shape) if p]
+        forward_step(model, pool, [ps[b][:shape[b][0]] for b in cached], [slots[b] for b in cached], [0] * len(cached))
+        fb = ForwardBatch.build(input_ids=[t for (p, _), q in zip(shape, ps) for t in q[p:]],
+                                out_cache_loc=torch.cat([s[p:] for s, (p, _) in zip(slots, shape)]),
+                                prefix_lens=[p for p, _ in shape], extend_lens=[e for _, e in shape],
+                                req_slots=slots, kv_pool=pool, capture=RecordingCapture(), segment_attention=segment)
+        if segment:
+            assert len(fb.segments) >= 2 and fb.segments[0].extend == 1, [(g.lo, g.extend) for g in fb.segments]
+            assert sum(g.tok_hi - g.tok_lo for g in fb.segments) == fb.num_tokens
+        logits = model(fb, return_all_logits=True)
+        used = torch.cat(slots)
+        results[segment] = (logits, [kv[used] for kv in pool.kv_buffers], fb.capture.ids)
+    (want, want_kv, want_ids), (got, got_kv, got_ids) = results[False], results[True]
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    for a, b in zip(got_kv, want_kv):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+    assert all(torch.equal(got_ids[k], want_ids[k]) for k in want_ids)
 
 
 @pytest.mark.parametrize("arch,overrides", [("qwen2_moe", {}), ("mixtral", {"sliding_window": 5})],

@@ -38,55 +38,46 @@ class PagedAttention(nn.Module):
 
     def attend(self, q: torch.Tensor, fb: ForwardBatch, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
         """q [N, H, D] over the KV already in the pool -> [N, H*D] (the step's own attention grid)."""
-        n, h, d = q.shape
-        bsz, seq = fb.kv_indices.shape
-        if fb.segments and attn_mask is None:
-            # a decode batch in runs of similar length (one query per request, in batch order)
-            return torch.cat([self._decode_grid(q[s.lo:s.hi], s.kv_flat, s.mask, fb.kv_pool) for s in fb.segments])
-        # every request has max_extend tokens (decode; a full bucket): the grid is q itself
-        full = n == bsz * fb.max_extend
         mask = fb.attn_mask if attn_mask is None else attn_mask              # [B, 1, E, S]
-        if full and fb.max_extend == 1:
-            return self._decode_grid(q, fb.kv_indices.reshape(-1), mask, fb.kv_pool)
-        keys, values = self._gather(fb.kv_pool, fb.kv_indices.reshape(-1), bsz, seq, q.dtype)
-        if full:
-            q_pad = q
-        else:
-            q_pad = q.new_zeros(bsz * fb.max_extend, h, d)
-            q_pad[fb.q_pad_index] = q
-        q_pad = q_pad.view(bsz, fb.max_extend, h, d).transpose(1, 2)         # [B, H, E, D]
-        out = F.scaled_dot_product_attention(
-            q_pad, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask,
-            scale=self.scale, enable_gqa=self.num_heads != self.num_kv_heads)  # [B, H, E, D]
-        out = out.transpose(1, 2).reshape(bsz * fb.max_extend, h * d)
-        return out if full else out[fb.q_pad_index]
+        if fb.segments:
+            return torch.cat([
+                self._grid(q[g.tok_lo:g.tok_hi], g.kv_flat, g.hi - g.lo, g.extend, g.q_pad_index,
+                           mask[g.lo:g.hi, :, :g.extend, :g.width], fb.kv_pool)
+                for g in fb.segments])
+        bsz = fb.kv_indices.shape[0]
+        full = q.shape[0] == bsz * fb.max_extend
+        return self._grid(q, fb.kv_indices.reshape(-1), bsz, fb.max_extend, None if full else fb.q_pad_index,
+                          mask, fb.kv_pool)
 
-    def _gather(self, pool, slots: torch.Tensor, bsz: int, seq: int,
-                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values [B, S, kvH, D] of slots [B * S] (request-major), one gather for both."""
+    def _grid(self, q: torch.Tensor, slots: torch.Tensor, bsz: int, extend: int,
+              q_pad_index: torch.Tensor | None, mask: torch.Tensor, pool) -> torch.Tensor:
+        """q [N, H, D] of bsz requests, request b's queries at grid rows b*extend + i (q_pad_index;
+        None: N == bsz * extend), keys at slots [bsz * S] (request-major), mask [bsz, 1, extend, S]
+        -> [N, H*D]."""
+        n, h, d = q.shape
+        kvh, seq = self.num_kv_heads, mask.shape[-1]
         # NOTE: padded key columns read the sink slot or a stale slot; they are masked out, but
         # must hold finite values (0 * NaN is NaN after softmax): every slot only ever holds real k/v.
-        # (index_select, not advanced indexing: several times faster for this row gather on CPU)
-        kv = pool.kv_buffers[self.layer_id].index_select(0, slots)
-        kv = kv.view(bsz, seq, 2, self.num_kv_heads, self.head_dim).to(dtype)
-        return kv[:, :, 0], kv[:, :, 1]
-
-    def _decode_grid(self, q: torch.Tensor, slots: torch.Tensor, mask: torch.Tensor, pool) -> torch.Tensor:
-        """One query per request: q [B, H, D], slots [B * S], mask [B, 1, 1, S] -> [B, H*D]."""
-        bsz, h, d = q.shape
-        kvh = self.num_kv_heads
-        keys, values = self._gather(pool, slots, bsz, mask.shape[-1], q.dtype)
-        if kvh != h:
-            # GQA: each kv head's query heads become its query rows (same math, and the CPU
-            # kernel is faster than with enable_gqa)
-            out = F.scaled_dot_product_attention(
-                q.view(bsz, kvh, h // kvh, d), keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask,
-                scale=self.scale)                                            # [B, kvH, G, D]
+        # (index_select, not advanced indexing: several times faster for this row gather on CPU;
+        # a slot's key and value side by side: one gather for both)
+        kv = pool.kv_buffers[self.layer_id].index_select(0, slots).view(bsz, seq, 2, kvh, d).to(q.dtype)
+        keys, values = kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)  # [B, kvH, S, D]
+        if extend == 1 and q_pad_index is None and kvh != h:
+            # decode with GQA: each kv head's query heads become its query rows (same math, and
+            # the CPU kernel is faster than with enable_gqa)
+            out = F.scaled_dot_product_attention(q.view(bsz, kvh, h // kvh, d), keys, values, attn_mask=mask,
+                                                 scale=self.scale)              # [B, kvH, G, D]
+            return out.reshape(bsz, h * d)
+        if q_pad_index is None:
+            q_pad = q
         else:
-            out = F.scaled_dot_product_attention(
-                q.view(bsz, 1, h, d).transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
-                attn_mask=mask, scale=self.scale)                            # [B, H, 1, D]
-        return out.reshape(bsz, h * d)
+            q_pad = q.new_zeros(bsz * extend, h, d)
+            q_pad[q_pad_index] = q
+        q_pad = q_pad.view(bsz, extend, h, d).transpose(1, 2)                  # [B, H, E, D]
+        out = F.scaled_dot_product_attention(q_pad, keys, values, attn_mask=mask, scale=self.scale,
+                                             enable_gqa=h != kvh)              # [B, H, E, D]
+        out = out.transpose(1, 2).reshape(bsz * extend, h * d)
+        return out if q_pad_index is None else out[q_pad_index]
 
     @staticmethod
     def sliding_window_mask(fb: ForwardBatch, window: int) -> torch.Tensor:

@@ -29,7 +29,7 @@ class EagerRunner:
         """batch: this rank's ScheduledBatch, or None (idle: an empty forward that joins the collectives)."""
         layout = GatherLayout.packed(self.name, counts)
         fb = padded_forward_batch(batch, kv_pool=self.kv_pool, device=self.device, capture=self.capture_buffer,
-                                  segment_decode=True)
+                                  segment_attention=True)
         fb = dataclasses.replace(fb, layout=layout, ep_group=self.ep_group)
         logits = self.model(fb)
         return ForwardOutput(logits=logits.float(), layout=layout)

@@ -17,7 +17,7 @@ from rollout.kv_pool import SINK_SLOT, KVPool
 
 def padded_forward_batch(batch: Optional[Any], *, kv_pool: KVPool, device: torch.device,
                          capture: Optional[Any] = None, pad_to: int = 0, pad_chunk: int = 1,
-                         segment_decode: bool = False) -> ForwardBatch:
+                         segment_attention: bool = False) -> ForwardBatch:
     """batch: a ScheduledBatch or None (idle rank). pad_to: total tokens after padding (0 = none)."""
     input_ids: list[int] = []
     prefix_lens: list[int] = []
@@ -56,4 +56,4 @@ def padded_forward_batch(batch: Optional[Any], *, kv_pool: KVPool, device: torch
             kv_indices[:real, :batch.kv_indices.shape[1]] = batch.kv_indices
     return ForwardBatch.build(input_ids=input_ids, out_cache_loc=locs[0] if len(locs) == 1 else torch.cat(locs),
                               prefix_lens=prefix_lens, extend_lens=extend_lens, kv_indices=kv_indices,
-                              kv_pool=kv_pool, capture=capture, device=device, segment_decode=segment_decode)
+                              kv_pool=kv_pool, capture=capture, device=device, segment_attention=segment_attention)
