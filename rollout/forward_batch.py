@@ -2,12 +2,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from itertools import accumulate
-from operator import mul
 from typing import Any, Optional, Sequence
 
 import torch
 
+from rollout.attention_segment import AttentionSegment
+from rollout.decode_cascade import DecodeCascade
 from rollout.kv_pool import SINK_SLOT, KVPool
 
 
@@ -37,6 +37,7 @@ class ForwardBatch:
     ep_group: Optional[Any] = None
     graph_safe: bool = False         # no host syncs (CUDA graph capture): see FusedExperts.choose_impl
     segments: tuple = ()             # AttentionSegments of an eager batch, () = the grid above
+    cascade: Optional[Any] = None    # DecodeCascade of an eager decode batch (then no segments)
 
     @property
     def num_tokens(self) -> int:
@@ -63,11 +64,12 @@ class ForwardBatch:
               extend_lens: list[int], kv_indices: Optional[torch.Tensor] = None,
               req_slots: Optional[Sequence[torch.Tensor]] = None, kv_pool: KVPool,
               capture: Optional[Any] = None, device: torch.device | str = "cpu",
-              segment_attention: bool = False) -> "ForwardBatch":
+              segment_attention: bool = False, prefix_groups: Sequence = ()) -> "ForwardBatch":
         """KV slots by position, one of: kv_indices [B, >= max seq_len] (cells past a request's
         length are never read unmasked), or req_slots[b], request b's slots for positions
         0 .. prefix+extend-1 (new ones included). segment_attention: attend in AttentionSegments
-        (runs of requests of similar shape; the scheduler orders batches by shape)."""
+        (runs of requests of similar shape; the scheduler orders batches by shape), or a decode
+        batch with prefix_groups (requests sharing the slots of a prefix) as a DecodeCascade."""
         bsz = len(extend_lens)
         assert bsz == len(prefix_lens) and bsz > 0
         seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
@@ -104,7 +106,10 @@ class ForwardBatch:
             mask = mask[:, None]
             logits_indices = starts + ext - 1
         segments: tuple[AttentionSegment, ...] = ()
-        if segment_attention:
+        cascade = None
+        if segment_attention and max_ext == 1 and prefix_groups and DecodeCascade.available(dev):
+            cascade = DecodeCascade.build(prefix_groups, seq_lens, kv_indices, kv_pool.dtype, dev)
+        if segment_attention and cascade is None:
             segments = AttentionSegment.split(extend_lens, seq_lens, kv_indices, dev)
         return ForwardBatch(
             input_ids=torch.tensor(input_ids, dtype=torch.int64, device=dev),
@@ -120,66 +125,5 @@ class ForwardBatch:
             kv_pool=kv_pool,
             capture=capture,
             segments=segments,
+            cascade=cascade,
         )
-
-
-@dataclass(frozen=True)
-class AttentionSegment:
-    """Requests lo .. hi-1 (tokens tok_lo .. tok_hi-1) attended as one grid of their own:
-    [hi - lo, extend] queries over [hi - lo, width] keys, instead of the batch's
-    [B, max_extend] x [B, max_seq].
-
-    One grid for a whole batch pads every request to the longest one in both directions. Two
-    batch shapes waste most of it: a decode batch with very different context lengths, and a
-    prefill step where the n samples of a GRPO prompt each compute only their last prompt token
-    (the rest is a prefix-cache hit) next to requests computing whole prompts. With requests
-    ordered by shape (the scheduler sorts decode batches by length and prefill batches by new
-    tokens), cutting the batch into runs skips those padded cells, at the price of one more
-    gather and SDPA call per layer per run.
-    """
-
-    lo: int
-    hi: int
-    tok_lo: int
-    tok_hi: int
-    extend: int                           # the run's most new tokens
-    width: int                            # the run's longest KV length
-    kv_flat: torch.Tensor                 # [(hi - lo) * width] int64 slots, request-major
-    q_pad_index: Optional[torch.Tensor]   # [tok_hi - tok_lo] flat index in the run's grid; None: no padding
-
-    # NOTE: a cut must skip at least this many padded (query, key) cells: one more gather + SDPA
-    # per layer costs about as much as ~600 cells of decode attention on CPU.
-    MIN_SAVED_CELLS = 2048
-
-    @staticmethod
-    def split(extend_lens: list[int], seq_lens: list[int], kv_indices: torch.Tensor,
-              device: torch.device) -> tuple["AttentionSegment", ...]:
-        """Runs of a batch, cut greedily from its end where a cut saves MIN_SAVED_CELLS; one run
-        over the whole batch when no cut pays (any request order is correct, a sorted one cuts)."""
-        bsz = len(seq_lens)
-        pre_e, pre_s = list(accumulate(extend_lens, max)), list(accumulate(seq_lens, max))  # maxima over 0 .. j
-        cuts = [bsz]
-        hi, top_e, top_s = bsz, 0, 0
-        padded = bsz * pre_e[-1] * pre_s[-1] - sum(map(mul, extend_lens, seq_lens))
-        for j in range(bsz - 1, 0, -1) if padded >= AttentionSegment.MIN_SAVED_CELLS else ():
-            # top run j .. hi-1, bottom run 0 .. j-1, against one run 0 .. hi-1
-            top_e, top_s = max(top_e, extend_lens[j]), max(top_s, seq_lens[j])
-            saved = hi * pre_e[hi - 1] * pre_s[hi - 1] - j * pre_e[j - 1] * pre_s[j - 1] - (hi - j) * top_e * top_s
-            if saved >= AttentionSegment.MIN_SAVED_CELLS:
-                cuts.append(j)
-                hi, top_e, top_s = j, 0, 0
-        cuts.append(0)
-        starts = [0]
-        for e in extend_lens:
-            starts.append(starts[-1] + e)
-        out = []
-        for hi, lo in zip(cuts, cuts[1:]):
-            ext = max(extend_lens[lo:hi])
-            width = max(seq_lens[lo:hi])
-            q_pad_index = None
-            if any(e != ext for e in extend_lens[lo:hi]):
-                q_pad_index = torch.cat([torch.arange(e) + i * ext for i, e in enumerate(extend_lens[lo:hi])]).to(device)
-            out.append(AttentionSegment(lo=lo, hi=hi, tok_lo=starts[lo], tok_hi=starts[hi], extend=ext, width=width,
-                                        kv_flat=kv_indices[lo:hi, :width].reshape(-1).to(device),
-                                        q_pad_index=q_pad_index))
-        return tuple(reversed(out))

@@ -32,6 +32,8 @@ class ScheduledBatch:
     out_cache_loc: torch.Tensor      # [sum(extend_lens)] new slots, request-major
     is_prefill: bool
     kv_indices: torch.Tensor         # [B, max(prefix+extend)] int64 KV slots by position (stale past each length)
+    # decode: (P, batch rows) of requests whose slots for positions 0 .. P-1 are the same (DecodeCascade)
+    prefix_groups: tuple = ()
 
     @property
     def num_tokens(self) -> int:
@@ -252,7 +254,18 @@ class Scheduler:
         for req in reqs:
             req.kv_len += 1
         kv_indices = self.req_to_token.gather(rows, pre[-1] + 1)
-        return ScheduledBatch(reqs, [1] * len(reqs), pre, slots, is_prefill=False, kv_indices=kv_indices)
+        return ScheduledBatch(reqs, [1] * len(reqs), pre, slots, is_prefill=False, kv_indices=kv_indices,
+                              prefix_groups=self._prefix_groups(reqs))
+
+    @staticmethod
+    def _prefix_groups(reqs: list[Req]) -> tuple:
+        """Requests holding the same prefix-cache node share the slots of its whole path: after
+        their prefill each one's first cache_len slots are that path's (cache_unfinished)."""
+        by_node: dict[int, list[int]] = {}
+        for i, req in enumerate(reqs):
+            if req.cache_len and req.last_node is not None:
+                by_node.setdefault(id(req.last_node), []).append(i)
+        return tuple((reqs[m[0]].cache_len, tuple(m)) for m in by_node.values() if len(m) > 1)
 
     def retract(self, req: Req) -> None:
         """Moves a running request back to the front of the queue; its generated tokens stay."""

@@ -35,6 +35,33 @@ def test_greedy_and_logprobs_match_transformers(tiny_checkpoint, arch):
         assert out.finish_reason == "length" and out.prompt_tokens == len(prompt)
 
 
+@pytest.mark.parametrize("arch", ["qwen3_moe", "olmoe"])
+def test_grpo_group_decode_matches_transformers(tiny_checkpoint, arch, monkeypatch):
+    """n samples of long prompts decode through the shared-prefix cascade (the prompts' KV read
+    once per group) and a request in no group next to them: greedy ids and logprobs are still
+    transformers'."""
+    from rollout.decode_cascade import DecodeCascade
+
+    calls = []
+    attend = DecodeCascade.attend
+    monkeypatch.setattr(DecodeCascade, "attend", lambda self, *a: calls.append(1) or attend(self, *a))
+    path = tiny_checkpoint(arch)
+    long_prompts = prompts(3, [300, 150])
+    loner = prompts(4, [20])[0]
+    with make_engine(path) as engine:
+        outs = engine.generate(input_ids=long_prompts + [loner],
+                               sampling_params=[{**GREEDY, "n": 8, "max_new_tokens": 24}] * 2
+                               + [{**GREEDY, "max_new_tokens": 24}], return_logprob=True)
+        engine.check_integrity()
+    assert len(outs) == 17 and calls, "the decode steps never took the cascade"
+    for i, prompt in enumerate(long_prompts + [loner]):
+        want = hf_greedy(path, prompt, 24)
+        ref = hf_logprobs(path, prompt, want)
+        for out in outs[8 * i: 8 * i + 8] if i < 2 else outs[16:]:
+            assert out.output_ids == want
+            assert torch.allclose(torch.tensor(out.output_logprobs), ref, atol=1e-4, rtol=0)
+
+
 @pytest.fixture(scope="module")
 def qwen3(tiny_checkpoint):
     return tiny_checkpoint("qwen3_moe")

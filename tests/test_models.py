@@ -165,6 +165,60 @@ def test_decode_segments_match_one_grid(tiny_checkpoint, arch, overrides):
         assert got_ids.keys() == want_ids.keys() and all(torch.equal(got_ids[k], want_ids[k]) for k in got_ids)
 
 
+@pytest.mark.parametrize("arch,overrides", [("qwen3_moe", {}), ("olmoe", {"num_key_value_heads": 4}),
+                                            ("mixtral", {"sliding_window": 5})],
+                         ids=["qwen3_moe-gqa", "olmoe-mha", "mixtral-sliding_window"])
+def test_decode_cascade_matches_one_grid(tiny_checkpoint, arch, overrides):
+    """GRPO-shaped decode: groups of samples whose prompt KV is the same slots (computed once),
+    each with its own continuation, plus requests in no group. Attending the shared prompt once
+    per group and merging by log-sum-exp gives the logits, KV and routing of one padded grid."""
+    path = str(tiny_checkpoint(arch, **overrides))
+    model, _ = load_model(path, torch.float32)
+    prompt_lens, samples = (110, 330, 100), 5
+    ps = prompts(prompt_lens, seed=6)
+    g = torch.Generator().manual_seed(7)
+    tails = [[torch.randint(0, 256, (3 + 4 * k + i,), generator=g).tolist() for k in range(samples)]
+             for i in range(len(ps))]
+    loners = prompts((30, 70), seed=8)
+    results = {}
+    for cascade in (False, True):
+        pool = new_pool(model, torch.float32, num_slots=2048)
+        shared = [pool.alloc(len(p)) for p in ps]
+        forward_step(model, pool, list(ps), shared, [0] * len(ps))
+        rows, tokens, groups = [], [], []
+        for i, p in enumerate(ps):
+            members = []
+            for tail in tails[i]:
+                own = pool.alloc(len(tail))
+                slots = torch.cat([shared[i], own])
+                forward_step(model, pool, [tuple(tail[:-1])], [slots], [len(p)])
+                members.append(len(rows))
+                rows.append(slots)
+                tokens.append(tail[-1])
+            groups.append((len(p), tuple(members)))
+        for p in loners:
+            slots = pool.alloc(len(p))
+            forward_step(model, pool, [p[:-1]], [slots], [0])
+            rows.append(slots)
+            tokens.append(p[-1])
+        fb = ForwardBatch.build(input_ids=tokens, out_cache_loc=torch.stack([r[-1] for r in rows]),
+                                prefix_lens=[len(r) - 1 for r in rows], extend_lens=[1] * len(rows), req_slots=rows,
+                                kv_pool=pool, capture=RecordingCapture(), segment_attention=cascade,
+                                prefix_groups=tuple(groups) if cascade else ())
+        assert (fb.cascade is not None) == cascade and not fb.segments
+        if cascade:
+            assert fb.cascade.num_groups == 3 and fb.cascade.group_rows == samples
+            assert [(r.lo, r.hi) for r in fb.cascade.prefix_runs] == [(0, 2), (2, 3)]   # 100, 110 | 330
+        logits = model(fb)
+        used = torch.cat(rows).unique()
+        results[cascade] = (logits, [kv[used] for kv in pool.kv_buffers], fb.capture.ids)
+    (want, want_kv, want_ids), (got, got_kv, got_ids) = results[False], results[True]
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    for a, b in zip(got_kv, want_kv):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+    assert all(torch.equal(got_ids[k], want_ids[k]) for k in want_ids)
+
+
 @pytest.mark.parametrize("arch,overrides", [("qwen3_moe", {}), ("mixtral", {"sliding_window": 5})],
                          ids=["qwen3_moe", "mixtral-sliding_window"])
 def test_prefill_segments_match_one_grid(tiny_checkpoint, arch, overrides):

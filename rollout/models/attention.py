@@ -38,6 +38,8 @@ class PagedAttention(nn.Module):
 
     def attend(self, q: torch.Tensor, fb: ForwardBatch, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
         """q [N, H, D] over the KV already in the pool -> [N, H*D] (the step's own attention grid)."""
+        if fb.cascade is not None and attn_mask is None:
+            return fb.cascade.attend(q, fb.kv_pool.kv_buffers[self.layer_id], self.scale)
         mask = fb.attn_mask if attn_mask is None else attn_mask              # [B, 1, E, S]
         if fb.segments:
             return torch.cat([

@@ -56,4 +56,5 @@ def padded_forward_batch(batch: Optional[Any], *, kv_pool: KVPool, device: torch
             kv_indices[:real, :batch.kv_indices.shape[1]] = batch.kv_indices
     return ForwardBatch.build(input_ids=input_ids, out_cache_loc=locs[0] if len(locs) == 1 else torch.cat(locs),
                               prefix_lens=prefix_lens, extend_lens=extend_lens, kv_indices=kv_indices,
-                              kv_pool=kv_pool, capture=capture, device=device, segment_attention=segment_attention)
+                              kv_pool=kv_pool, capture=capture, device=device, segment_attention=segment_attention,
+                              prefix_groups=batch.prefix_groups if real == len(extend_lens) else ())
