@@ -8,10 +8,10 @@ requests are retracted: their KV goes to the prefix cache and they re-queue at t
 from __future__ import annotations
 
 import os
-from collections import deque
+from collections import Counter, deque
 from operator import attrgetter
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -261,11 +261,15 @@ class Scheduler:
     def _prefix_groups(reqs: list[Req]) -> tuple:
         """Requests holding the same prefix-cache node share the slots of its whole path: after
         their prefill each one's first cache_len slots are that path's (cache_unfinished)."""
-        by_node: dict[int, list[int]] = {}
-        for i, req in enumerate(reqs):
-            if req.cache_len and req.last_node is not None:
-                by_node.setdefault(id(req.last_node), []).append(i)
-        return tuple((reqs[m[0]].cache_len, tuple(m)) for m in by_node.values() if len(m) > 1)
+        if len({id(r.last_node) for r in reqs}) == len(reqs):
+            return ()   # NOTE: no two share a node (a batch of distinct prompts): one cheap pass
+        nodes = [r.last_node if r.cache_len else None for r in reqs]
+        shared = {node for node, count in Counter(nodes).items() if count > 1 and node is not None}
+        by_node: dict[Any, list[int]] = {node: [] for node in shared}
+        for i, node in enumerate(nodes):
+            if node in by_node:
+                by_node[node].append(i)
+        return tuple((reqs[m[0]].cache_len, tuple(m)) for m in by_node.values())
 
     def retract(self, req: Req) -> None:
         """Moves a running request back to the front of the queue; its generated tokens stay."""

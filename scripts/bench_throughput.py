@@ -77,23 +77,28 @@ def run_hf(model_path: str, prompts, max_news) -> tuple[float, int]:
     return dt, sum(m for _, m in rows)   # useful tokens after truncating each row to its max_new_tokens
 
 
-def run_hf_process(model_path: str, num_prompts: int, n: int) -> tuple[float, int]:
-    """run_hf in a fresh Python process, as a user would run transformers: nothing of this
-    process (the engines' glibc malloc tuning, torch's OpenMP pools) touches it."""
+def in_fresh_process(kind: str, model_path: str, num_prompts: int, n: int) -> tuple[float, int]:
+    """One measured run in a fresh Python process: kind "engine", "engine_capture" or "hf".
+    Every run starts from the same state (no malloc tuning, OpenMP pools, heap or page layout
+    left by earlier runs), as a user's job would; the caller interleaves the kinds."""
     code = ("import json, sys; sys.path.insert(0, sys.argv[1]); import bench_throughput as b; "
-            "print(json.dumps(b.hf_worker(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))))")
-    out = subprocess.run([sys.executable, "-c", code, os.path.dirname(os.path.abspath(__file__)), model_path,
+            "print(json.dumps(b.worker(*sys.argv[2:4], int(sys.argv[4]), int(sys.argv[5]))))")
+    out = subprocess.run([sys.executable, "-c", code, os.path.dirname(os.path.abspath(__file__)), kind, model_path,
                           str(num_prompts), str(n)], check=True, capture_output=True, text=True)
-    dt, useful = json.loads(out.stdout.strip().splitlines()[-1])
-    return dt, useful
+    dt, tokens = json.loads(out.stdout.strip().splitlines()[-1])
+    return dt, tokens
 
 
-def hf_worker(model_path: str, num_prompts: int, n: int) -> tuple[float, int]:
+def worker(kind: str, model_path: str, num_prompts: int, n: int) -> tuple[float, int]:
     from transformers import AutoConfig
 
-    vocab = AutoConfig.from_pretrained(model_path).vocab_size
-    prompts, max_news = workload(num_prompts, n, vocab)
-    return run_hf(model_path, prompts, max_news)
+    prompts, max_news = workload(num_prompts, n, AutoConfig.from_pretrained(model_path).vocab_size)
+    if kind == "hf":
+        return run_hf(model_path, prompts, max_news)
+    capture = kind == "engine_capture"
+    with Rollout(model_path, enable_return_routed_experts=capture) as engine:
+        run_engine(engine, prompts[:2], [m[:2] for m in max_news[:2]], capture)   # warm-up
+        return run_engine(engine, prompts, max_news, capture)
 
 
 def decode_batch(core: EngineCore, bsz: int, ctx: int) -> ForwardBatch:
@@ -168,21 +173,20 @@ def main(argv=None) -> None:
     total = sum(sum(m) for m in max_news)
     print(f"workload: {args.prompts} prompts x n={args.n}, {total} output tokens")
 
-    # NOTE: one engine alive at a time. Each engine thread has its own OpenMP pool, and libgomp
-    # throttles every pool once more OpenMP threads exist than CPUs: two engines alive at once
-    # (or heavy torch work in another thread) would slow both.
+    # NOTE: every run in a fresh process, interleaved: one engine alive at a time (libgomp
+    # throttles every OpenMP pool once more OpenMP threads exist than CPUs), each run from the
+    # same process state, and the kinds side by side under the same background load.
     t_off, t_on, t_hf = [], [], []
     useful = total
+    kinds = [("engine", t_off), ("engine_capture", t_on)] + ([] if args.skip_hf else [("hf", t_hf)])
     for _ in range(args.repeats):
-        for capture, times in ((False, t_off), (True, t_on)):
-            with Rollout(args.model_path, enable_return_routed_experts=capture) as engine:
-                run_engine(engine, prompts[:2], [m[:2] for m in max_news[:2]], capture)   # warm-up
-                times.append(run_engine(engine, prompts, max_news, capture)[0])
-        if not args.skip_hf:
-            # NOTE: interleaved with the engine runs (no engine alive meanwhile), so both see the
-            # same background load on these shared machines
-            dt, useful = run_hf_process(args.model_path, args.prompts, args.n)
-            t_hf.append(dt)
+        for kind, times in kinds:
+            dt, tokens = in_fresh_process(kind, args.model_path, args.prompts, args.n)
+            if kind == "hf":
+                useful = tokens
+            else:
+                assert tokens == total, (kind, tokens, total)
+            times.append(dt)
     tps_off, tps_on = total / statistics.median(t_off), total / statistics.median(t_on)
     res["engine_tok_s"], res["engine_capture_tok_s"] = tps_off, tps_on
     res["capture_on_off_ratio"] = tps_on / tps_off
