@@ -1,10 +1,11 @@
 """Throughput benchmark on an RL-shaped workload (prints a table; --json writes the numbers).
 
 Workload: P prompts of 32-256 tokens, n samples each, per-request max_new_tokens spread over
-16-256, ignore_eos. Measured side by side in one run:
+16-256, ignore_eos. Measured side by side in one run, each in a fresh process, interleaved:
   engine (capture off) | engine (capture on, return_routed_experts) | transformers generate
-  (one batch of all requests to the largest max_new_tokens, truncated) | the model's bare forward
-at decode batch sizes, and the engine's decode step time at batch 64 against that bare forward.
+  (one batch of all requests to the largest max_new_tokens, truncated)
+then the model's bare forward at decode batch sizes, and the engine's decode step time at
+batch 64 against the model forward inside that step.
 Also the routing wire size per token and host store bytes per KV slot (scripts/bench_wire.py).
 """
 from __future__ import annotations
