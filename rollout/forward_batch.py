@@ -24,7 +24,7 @@ class ForwardBatch:
     out_cache_loc: torch.Tensor      # [N] int64, KV slot each new token writes
     seq_lens: torch.Tensor           # [B] int64, KV length after this forward
     extend_lens: torch.Tensor        # [B] int64, new tokens per request
-    kv_indices: torch.Tensor         # [B, max_seq_len] int64, padded with SINK_SLOT
+    kv_indices: torch.Tensor         # [B, max_seq_len] int64; past a request's length: sink or stale slots (masked)
     q_pad_index: torch.Tensor        # [N] int64, flat index of each token in [B * max_extend]
     attn_mask: torch.Tensor          # [B, 1, max_extend, max_seq_len] bool, True = attend
     logits_indices: torch.Tensor     # [B] int64, row of each request's last new token

@@ -11,7 +11,7 @@ SINK_SLOT = 0  # NOTE: slot 0 is never allocated; padding tokens write their KV 
 def _zeros(shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     buf = torch.empty(shape, dtype=dtype, device=device)
     # NOTE: CPU: huge pages before the first write (attention gathers rows from all over the
-    # pool every step; the benchmark workload ran 5-7% faster, and stayed as fast in later runs)
+    # pool every step; the benchmark workload ran 2-7% faster, and stayed as fast in later runs)
     advise_huge_pages(buf)
     return buf.zero_()
 

@@ -62,7 +62,8 @@ def _apply_penalties(logits: torch.Tensor, params: Sequence[SamplingParams],
     vocab = logits.shape[1]
     for i in rows:  # NOTE: only rows that ask for penalties; most RL requests skip this loop.
         p = params[i]
-        counts = torch.bincount(torch.tensor(output_ids[i], dtype=torch.int64), minlength=vocab)[:vocab]
+        counts = torch.bincount(torch.tensor(output_ids[i], dtype=torch.int64, device=logits.device),
+                                minlength=vocab)[:vocab]
         seen = counts > 0
         row = logits[i]
         if p.repetition_penalty != 1.0:
@@ -79,7 +80,7 @@ def _truncate(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
     vocab = scaled.shape[1]
     sorted_logits, order = torch.sort(scaled, dim=-1, descending=True)
     probs = torch.softmax(sorted_logits, dim=-1)
-    rank = torch.arange(vocab)[None, :]
+    rank = torch.arange(vocab, device=scaled.device)[None, :]
     k = torch.where(top_k <= 0, torch.full_like(top_k, vocab), top_k.clamp(max=vocab))
     drop = rank >= k[:, None]
     cum_before = torch.cumsum(probs, dim=-1) - probs
@@ -97,6 +98,7 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams], seeds: Sequen
     None when no row bans any."""
     logits = logits.float()
     bsz, vocab = logits.shape
+    dev = logits.device   # NOTE: every tensor made here goes there (the noise is hashed on the host)
     first = params[0]
     uniform = all(p.sampler_key == first.sampler_key for p in params)  # the usual RL batch
     if not uniform or first.has_penalty:
@@ -115,13 +117,15 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams], seeds: Sequen
     else:
         is_greedy = [p.is_greedy for p in params]
         temps = [1.0 if g else p.temperature for p, g in zip(params, is_greedy)]
-        scaled = logits / torch.tensor(temps, dtype=torch.float32)[:, None]
+        scaled = logits / torch.tensor(temps, dtype=torch.float32, device=dev)[:, None]
         needs_trunc = [(not g) and (p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0) for p, g in zip(params, is_greedy)]
         modes = {p.logprob_mode for p in params}
     if needs_trunc[0] if uniform else any(needs_trunc):
-        top_k = torch.tensor([p.top_k if t else -1 for p, t in zip(params, needs_trunc)], dtype=torch.int64)
-        top_p = torch.tensor([p.top_p if t else 1.0 for p, t in zip(params, needs_trunc)], dtype=torch.float32)
-        min_p = torch.tensor([p.min_p if t else 0.0 for p, t in zip(params, needs_trunc)], dtype=torch.float32)
+        top_k = torch.tensor([p.top_k if t else -1 for p, t in zip(params, needs_trunc)], dtype=torch.int64, device=dev)
+        top_p = torch.tensor([p.top_p if t else 1.0 for p, t in zip(params, needs_trunc)], dtype=torch.float32,
+                             device=dev)
+        min_p = torch.tensor([p.min_p if t else 0.0 for p, t in zip(params, needs_trunc)], dtype=torch.float32,
+                             device=dev)
         processed = _truncate(scaled, top_k, top_p, min_p)
     else:
         processed = scaled
@@ -129,9 +133,9 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams], seeds: Sequen
     if all(is_greedy):
         next_ids = torch.argmax(logits, dim=-1)
     else:
-        next_ids = inverse_cdf(processed_lp, counter_uniform(seeds, positions))
+        next_ids = inverse_cdf(processed_lp, counter_uniform(seeds, positions).to(dev))
         if any(is_greedy):
-            next_ids = torch.where(torch.tensor(is_greedy), torch.argmax(logits, dim=-1), next_ids)
+            next_ids = torch.where(torch.tensor(is_greedy, device=dev), torch.argmax(logits, dim=-1), next_ids)
     per_mode = {}
     if "raw" in modes:
         per_mode["raw"] = torch.log_softmax(logits, dim=-1)

@@ -65,7 +65,7 @@ class FusedExperts(nn.Module):
 
     # NOTE: on CPU torch's grouped GEMM runs one matmul per expert; up to this many (token, expert)
     # rows one batched matmul over experts padded to the busiest is faster (tiny Qwen3-MoE, 16
-    # experts, 2 cores: 1.5x at 128 tokens x top-4, even at 256 x 4, 3x slower at 384 x 4).
+    # experts, 2 cores: 1.5x faster at 128 tokens x top-4, 1.4x at 256 x 4, 1.9x slower at 384 x 4).
     PADDED_MAX_ROWS = 1024
 
     @staticmethod
