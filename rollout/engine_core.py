@@ -50,6 +50,7 @@ class EngineCore:
             "experts_held": [experts[0].expert_lo, experts[0].expert_hi] if experts else [],
             "expert_weight_bytes": sum(p.numel() * p.element_size() for m in experts for p in m.parameters())}
         self.eos_ids = Tokenizer.eos_token_ids(cfg.model_path)
+        self._eos_set = frozenset(self.eos_ids)
         self.context_length = cfg.context_length or self.info.max_position_embeddings
         self.weight_version = cfg.weight_version
         kv_dtype = next(self.model.parameters()).dtype
@@ -197,16 +198,25 @@ class EngineCore:
             top = (result.top_logprobs.tolist(), result.top_ids.tolist())
         self.stats["generated_tokens"] += len(reqs)
         default_interval = self.cfg.stream_interval
+        eos = self._eos_set
         for j, req in enumerate(reqs):
             tok = next_ids[j]
-            req.output_ids.append(tok)
+            out_ids = req.output_ids
+            out_ids.append(tok)
             req.output_logprobs.append(logprobs[j])
             if req.top_logprobs_num:
                 n = req.top_logprobs_num
                 req.output_top_logprobs.append(list(zip(top[0][j][:n], top[1][j][:n])))
             if req.detokenizer is not None:
-                req.detokenizer.step(req.output_ids)
-            reason = self._check_finish(req, tok)
+                req.detokenizer.step(out_ids)
+            p = req.params
+            # NOTE: the usual token ends nothing; only a token that could (_check_finish) pays for
+            # the full check
+            if ((tok in eos and not p.ignore_eos) or p.stop_token_ids or p.stop or len(out_ids) >= p.max_new_tokens
+                    or len(req.prompt_ids) + len(out_ids) >= req.max_total_len):
+                reason = self._check_finish(req, tok)
+            else:
+                reason = None
             if reason is not None:
                 self._finish(req, reason)
             elif req.stream and len(req.output_ids) - req.sent_tokens >= (

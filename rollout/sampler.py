@@ -8,6 +8,7 @@ the engine stepped (retraction resumes exactly).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import Optional, Sequence
 
 import numpy as np
@@ -19,6 +20,7 @@ from rollout.sampling_params import SamplingParams
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _MIX1, _MIX2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
 _S11, _S27, _S30, _S31 = np.uint64(11), np.uint64(27), np.uint64(30), np.uint64(31)
+_SAMPLER_KEY = attrgetter("sampler_key")
 
 
 def _splitmix64(z: np.ndarray) -> np.ndarray:
@@ -100,7 +102,7 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams], seeds: Sequen
     bsz, vocab = logits.shape
     dev = logits.device   # NOTE: every tensor made here goes there (the noise is hashed on the host)
     first = params[0]
-    uniform = all(p.sampler_key == first.sampler_key for p in params)  # the usual RL batch
+    uniform = all(map(first.sampler_key.__eq__, map(_SAMPLER_KEY, params)))  # the usual RL batch
     if not uniform or first.has_penalty:
         logits = _apply_penalties(logits, params, output_ids)
     if banned_ids is not None and any(banned_ids):

@@ -297,7 +297,12 @@ def test_pause_then_continue(client, admin, ref, shape, mode):
     assert (load["loads"][0]["num_running_reqs"], load["loads"][0]["num_waiting_reqs"]) == expect
     if mode == "abort":
         reader.join(30)  # the aborted stream ends with its partial output
-    seen = len(chunks)
+    # NOTE: chunks the engine sent before the pause landed may still be on their way to the
+    # reader; count once they have arrived (no new chunk for 0.3 s)
+    seen = -1
+    while seen != len(chunks):
+        seen = len(chunks)
+        time.sleep(0.3)
     late = threading.Thread(target=lambda: other.update(r=client.post(
         "/generate", json={"input_ids": [7, 8, 9], "sampling_params": {**GREEDY, "max_new_tokens": 4}})))
     late.start()
