@@ -80,6 +80,20 @@ def assert_routing_matches(model, capture, router_logits_per_req, rows_per_req):
         assert torch.equal(got, want), f"layer {layer}: routed experts differ from HF"
 
 
+def forward_result(logits, pool, used_slots, capture):
+    """What one forward produced: logits, the KV at the slots it used, the routing it recorded."""
+    return logits, [kv[used_slots] for kv in pool.kv_buffers], capture.ids
+
+
+def assert_same_forward(got, want, atol=1e-5):
+    """Two forward_results agree: logits and KV within atol, routing exactly, same MoE layers."""
+    (logits, kv, ids), (want_logits, want_kv, want_ids) = got, want
+    torch.testing.assert_close(logits, want_logits, atol=atol, rtol=0)
+    for a, b in zip(kv, want_kv):
+        torch.testing.assert_close(a, b, atol=atol, rtol=0)
+    assert ids.keys() == want_ids.keys() and all(torch.equal(ids[k], want_ids[k]) for k in ids)
+
+
 CASES = [(a, {}) for a in ARCHS] + [("qwen3_moe", {"tie_word_embeddings": True}),
                                     ("mixtral", {"sliding_window": 5})]
 CASE_IDS = [a + "".join(f"-{k}" for k in o) for a, o in CASES]
@@ -154,15 +168,10 @@ def test_decode_segments_match_one_grid(tiny_checkpoint, arch, overrides):
         logits = model(fb)
         back = torch.tensor(list(order)).argsort()                  # rows back in length order
         used = torch.cat([s[:n] for s, n in zip(slots, lens)])
-        results[name] = (logits[back], [kv[used] for kv in pool.kv_buffers],
-                         {k: v[back] for k, v in fb.capture.ids.items()})
-    want, want_kv, want_ids = results["grid"]
+        logits, kv, ids = forward_result(logits, pool, used, fb.capture)
+        results[name] = (logits[back], kv, {k: v[back] for k, v in ids.items()})
     for name in ("ascending", "descending", "shuffled"):
-        got, got_kv, got_ids = results[name]
-        torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
-        for a, b in zip(got_kv, want_kv):
-            torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
-        assert got_ids.keys() == want_ids.keys() and all(torch.equal(got_ids[k], want_ids[k]) for k in got_ids)
+        assert_same_forward(results[name], results["grid"])
 
 
 @pytest.mark.parametrize("arch,overrides", [("qwen3_moe", {}), ("olmoe", {"num_key_value_heads": 4}),
@@ -210,13 +219,8 @@ def test_decode_cascade_matches_one_grid(tiny_checkpoint, arch, overrides):
             assert fb.cascade.num_groups == 3 and fb.cascade.group_rows == samples
             assert [(r.lo, r.hi) for r in fb.cascade.prefix_runs] == [(0, 2), (2, 3)]   # 100, 110 | 330
         logits = model(fb)
-        used = torch.cat(rows).unique()
-        results[cascade] = (logits, [kv[used] for kv in pool.kv_buffers], fb.capture.ids)
-    (want, want_kv, want_ids), (got, got_kv, got_ids) = results[False], results[True]
-    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
-    for a, b in zip(got_kv, want_kv):
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
-    assert all(torch.equal(got_ids[k], want_ids[k]) for k in want_ids)
+        results[cascade] = forward_result(logits, pool, torch.cat(rows).unique(), fb.capture)
+    assert_same_forward(results[True], results[False])
 
 
 @pytest.mark.parametrize("arch,overrides", [("qwen3_moe", {}), ("mixtral", {"sliding_window": 5})],
@@ -244,13 +248,8 @@ def test_prefill_segments_match_one_grid(tiny_checkpoint, arch, overrides):
             assert len(fb.segments) >= 2 and fb.segments[0].extend == 1, [(g.lo, g.extend) for g in fb.segments]
             assert sum(g.tok_hi - g.tok_lo for g in fb.segments) == fb.num_tokens
         logits = model(fb, return_all_logits=True)
-        used = torch.cat(slots)
-        results[segment] = (logits, [kv[used] for kv in pool.kv_buffers], fb.capture.ids)
-    (want, want_kv, want_ids), (got, got_kv, got_ids) = results[False], results[True]
-    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
-    for a, b in zip(got_kv, want_kv):
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
-    assert all(torch.equal(got_ids[k], want_ids[k]) for k in want_ids)
+        results[segment] = forward_result(logits, pool, torch.cat(slots), fb.capture)
+    assert_same_forward(results[True], results[False])
 
 
 @pytest.mark.parametrize("arch,overrides", [("qwen2_moe", {}), ("mixtral", {"sliding_window": 5})],
