@@ -31,12 +31,18 @@ _MADV_HUGEPAGE = 14                    # Linux
 HUGE_PAGE_BYTES = 2 * 2**20
 
 
+def _libc_function(name: str):
+    """The C library's function `name`, or None where there is none (another C library, no libc)."""
+    try:
+        return getattr(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True), name)
+    except (OSError, AttributeError):
+        return None
+
+
 def tune_glibc_malloc() -> bool:
     """Sets the thresholds above for this process; True when glibc accepted them."""
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
+    mallopt = _libc_function("mallopt")
+    if mallopt is None:
         return False
     ok = bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)) and bool(mallopt(_M_TRIM_THRESHOLD,
                                                                                  TRIM_THRESHOLD_BYTES))
@@ -54,10 +60,8 @@ def advise_huge_pages(t: torch.Tensor) -> bool:
     hi = (start + t.numel() * t.element_size()) // HUGE_PAGE_BYTES * HUGE_PAGE_BYTES
     if hi <= lo:
         return False
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        madvise = libc.madvise
-    except (OSError, AttributeError):
+    madvise = _libc_function("madvise")
+    if madvise is None:
         return False
     madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     return madvise(lo, hi - lo, _MADV_HUGEPAGE) == 0

@@ -27,9 +27,6 @@ class ReqToTokenPool:
         self.table = torch.full((num_rows + 1, width), SINK_SLOT, dtype=torch.int32)   # host memory
         self._free = list(range(num_rows, 0, -1))  # pop() hands out low rows first
 
-    def available(self) -> int:
-        return len(self._free)
-
     def alloc(self) -> int:
         if not self._free:
             raise RuntimeError(f"all {self.num_rows} request rows are in use (max_running_requests)")
