@@ -1,321 +1,179 @@
-"""Rollout: the Python API. Validates requests, feeds the engine thread, hands back outputs."""
+"""Rollout: the Python API. Validates requests, sends them to the engine, hands back outputs.
+
+The engine loop runs in a process of its own (one per DP rank) behind an EngineClient
+(rollout/frontend/); this front end owns tokenization, detokenization and stop strings, and
+keeps every request's state: one RequestState per sample, one index from rids (an n > 1
+request's rid and each sample's rid_k) to their uids.
+"""
 from __future__ import annotations
 
-import asyncio
 import logging
 import queue
-import random
 import threading
 import time
-import uuid
-from concurrent.futures import Future
-from typing import Any, AsyncIterator, Callable, Iterator, Optional, Sequence, Union
+from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
+import torch
+
+from capture.gather_layout import GatherLayout
 from rollout.config import EngineConfig
-from rollout.detokenizer import IncrementalDetokenizer
-from rollout.engine_core import EngineCore
+from rollout.frontend.async_generation import AsyncGeneration
+from rollout.frontend.engine_client import EngineClient, EngineDeadError
+from rollout.frontend.request_builder import ParamsArg, RequestBuilder
+from rollout.frontend.request_state import RequestState, RoutingShape
+from rollout.ipc.messages import ReqSpec, ReqUpdate
+from rollout.models.registry import architecture_of, model_class, read_config, resolve_dtype
 from rollout.output import RolloutOutput
-from rollout.request import Req
-from rollout.sampling_params import SamplingParams
 from rollout.stream_chunk import StreamChunk
+from rollout.tokenizer import Tokenizer
 
+__all__ = ["AsyncGeneration", "EngineDeadError", "Rollout"]
 logger = logging.getLogger(__name__)
-MAX_TOP_LOGPROBS = 64
-ParamsArg = Union[None, dict, SamplingParams, Sequence[Union[dict, SamplingParams]]]
-
-
-class EngineDeadError(RuntimeError):
-    """The engine thread stopped on an error; every pending request receives this."""
-
-
-def _derive_seed(seed: int, index: int) -> int:
-    if index == 0:
-        return seed
-    x = (seed + index * 0x9E3779B97F4A7C15) & (2**64 - 1)
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & (2**64 - 1)
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & (2**64 - 1)
-    return (x ^ (x >> 31)) & (2**63 - 1)
-
-
-class AsyncGeneration:
-    """`await` it for the list of outputs, or `async for` over it for chunks (stream) / outputs."""
-
-    def __init__(self, start: Callable[[Callable[[Any], None]], list[str]], stream: bool):
-        self._start = start
-        self._stream = stream
-
-    def __await__(self):
-        return self._collect().__await__()
-
-    async def _collect(self) -> list[RolloutOutput]:
-        finals: dict[str, RolloutOutput] = {}
-        order: list[str] = []
-        async for item in self._iterate(final_only=True, order_out=order):
-            finals[item.rid] = item
-        return [finals[rid] for rid in order]
-
-    def __aiter__(self) -> AsyncIterator[Union[StreamChunk, RolloutOutput]]:
-        return self._iterate(final_only=not self._stream, order_out=[])
-
-    async def _iterate(self, final_only: bool, order_out: list[str]):
-        loop = asyncio.get_running_loop()
-        q: asyncio.Queue = asyncio.Queue()
-        rids = self._start(lambda item: loop.call_soon_threadsafe(q.put_nowait, item))
-        order_out.extend(rids)
-        pending = set(rids)
-        while pending:
-            item = await q.get()
-            if isinstance(item, BaseException):
-                raise item
-            done = isinstance(item, RolloutOutput) or item.finished
-            if done:
-                pending.discard(item.rid)
-            if isinstance(item, StreamChunk) and final_only:
-                if item.finished:
-                    yield item.output
-                continue
-            yield item
+Groups = list[list[tuple[ReqSpec, RequestState]]]
 
 
 class Rollout:
-    """Generation engine for MoE models; `Rollout()` loads the embedded tiny model."""
+    """Generation engine for MoE models; `Rollout()` loads the embedded tiny model.
 
-    def __init__(self, model_path: Optional[str] = None, *, config: Optional[EngineConfig] = None, **kwargs: Any):
+    client: "process" (default: the engine in its own process, one per DP rank) or "inproc" (the
+    engine loop on a thread of this process, for tests and debugging; dp_size 1 only).
+    """
+
+    CLIENTS = ("process", "inproc")
+
+    def __init__(self, model_path: Optional[str] = None, *, config: Optional[EngineConfig] = None,
+                 client: str = "process", **kwargs: Any):
         if config is None:
             if model_path is not None:
                 kwargs["model_path"] = model_path
             config = EngineConfig(**kwargs)
         elif model_path is not None or kwargs:
             raise ValueError("pass either config or model_path/keyword settings, not both")
+        if client not in self.CLIENTS:
+            raise ValueError(f"client must be one of {list(self.CLIENTS)}, got {client!r}")
         self.config = config
         config.check_devices()
+        hf_cfg, gen = read_config(config.model_path)
+        self._model_cls = model_class(architecture_of(hf_cfg))
+        self.info = self._model_cls.spec_from_config(hf_cfg, gen).info
+        self.tokenizer = Tokenizer(config.resolved_tokenizer_path)
         self._lock = threading.Lock()
-        self._inflight: dict[str, Callable[[Any], None]] = {}
-        self._groups: dict[str, list[str]] = {}
-        self._cmds: "queue.Queue[Callable[[], None]]" = queue.Queue()
+        self._states: dict[int, RequestState] = {}
+        self._rids: dict[str, list[int]] = {}
+        self._dead_listeners: list[Callable[[str], None]] = []
+        self._meta_model: Optional[torch.nn.Module] = None
         self._stopping = False
-        self._error: Optional[BaseException] = None
-        self._core: Any = None
-        ready: Future = Future()
-        self._thread = threading.Thread(target=self._run, args=(ready,), name="rollout-engine", daemon=True)
-        self._thread.start()
-        ready.result()  # NOTE: a failed start raises its error here (a ValueError names the field)
-        self.info = self._core.info
-        self.tokenizer = self._core.tokenizer
-        self._rng = random.Random(config.seed)
+        self.paused_mode: Optional[str] = None
+        self.weight_version = config.weight_version
+        if client == "inproc":
+            from rollout.frontend.inproc_client import InprocClient  # noqa: PLC0415
 
-    # ---- engine thread -------------------------------------------------------------------------
-    def _run(self, ready: Future) -> None:
-        """The engine thread: builds the engine, then steps it until shutdown.
+            self._client: EngineClient = InprocClient(config, self._on_updates, self._on_dead)
+        else:
+            from rollout.frontend.process_client import DPClient, ProcessClient  # noqa: PLC0415
 
-        NOTE: the engine is built here, not in the caller's thread. libgomp (torch's OpenMP on
-        Linux) throttles its spin-waits in every thread pool once more OpenMP threads exist than
-        CPUs; a model loaded in the caller's thread leaves an OpenMP pool there for good, and a
-        forward stepped in this thread then ran ~3x slower on a 2-core machine.
-        """
-        try:
-            if self.config.dp_size > 1:
-                from rollout.dp_coordinator import DPCoordinator  # noqa: PLC0415 (imports this module)
+            cls = DPClient if config.dp_size > 1 else ProcessClient
+            self._client = cls(config, self._on_updates, self._on_dead)
+        info = self.info
+        routing = RoutingShape(info.num_hidden_layers, info.top_k, info.num_experts, tuple(info.moe_layer_ids)) \
+            if config.enable_return_routed_experts else None
+        self._builder = RequestBuilder(config=config, info=info, tokenizer=self.tokenizer,
+                                       context_length=self._client.context_length,
+                                       kv_capacity=self._client.kv_capacity, routing=routing)
 
-                self._core = DPCoordinator(self.config)
-            else:
-                self._core = EngineCore(self.config)
-        except BaseException as exc:  # noqa: BLE001 (raised in the caller by ready.result())
-            ready.set_exception(exc)
-            return
-        ready.set_result(None)
-        self._loop()
-
-    def _loop(self) -> None:
-        core = self._core
-        try:
-            while not self._stopping:
-                if not core.has_work():
-                    try:
-                        self._cmds.get(timeout=0.05)()
-                    except queue.Empty:
-                        continue
-                while True:
-                    try:
-                        self._cmds.get_nowait()()
-                    except queue.Empty:
-                        break
-                if not self._stopping and core.has_work():
-                    core.step()
-        except BaseException as exc:  # noqa: BLE001 (report to every waiter, then stop)
-            logger.exception("engine thread failed")
-            self._error = exc
-            self._fail_all(exc)
-
-    def _fail_all(self, exc: BaseException) -> None:
-        err = EngineDeadError(f"engine stopped: {exc!r}")
+    # ---- what the engine sends -----------------------------------------------------------------
+    def _on_updates(self, updates: list[ReqUpdate]) -> None:
+        """Runs on the client's receiver thread (the engine thread, in-process)."""
+        deliveries = []
+        stopped: list[int] = []
         with self._lock:
-            sinks = list(self._inflight.values())
-            self._inflight.clear()
-        for sink in sinks:
-            sink(err)
-        while True:
-            try:
-                self._cmds.get_nowait()
-            except queue.Empty:
-                break
+            for upd in updates:
+                st = self._states.get(upd.uid)
+                if st is None:
+                    continue  # NOTE: finished here already (a stop string hit); the engine's abort follows
+                items, stop_hit = st.apply(upd)
+                if stop_hit:
+                    stopped.append(upd.uid)
+                if st.done:
+                    self._forget(st)
+                if items:
+                    deliveries.append((st.sink, items))
+        if stopped:
+            self._client.abort(stopped, "stop string matched")
+        for sink, items in deliveries:
+            for item in items:
+                sink(item)
 
-    def _call(self, fn: Callable[[EngineCore], Any]) -> Any:
-        """Runs fn(core) on the engine thread between steps; returns its result."""
-        self._check_alive()
-        fut: Future = Future()
+    def _forget(self, st: RequestState) -> None:
+        del self._states[st.uid]
+        for key in {st.rid, st.group_rid}:
+            uids = self._rids.get(key)
+            if uids is not None:
+                uids.remove(st.uid)
+                if not uids:
+                    del self._rids[key]
 
-        def cmd() -> None:
-            try:
-                fut.set_result(fn(self._core))
-            except BaseException as exc:  # noqa: BLE001
-                fut.set_exception(exc)
+    def _on_dead(self, reason: str) -> None:
+        with self._lock:
+            states = list(self._states.values())
+            self._states.clear()
+            self._rids.clear()
+        if not self._stopping:
+            logger.error("engine stopped: %s", reason)
+        err = EngineDeadError(f"engine stopped: {reason}")
+        for st in states:
+            st.sink(err)
+        for fn in list(self._dead_listeners):
+            fn(reason)
 
-        self._cmds.put(cmd)
-        while True:
-            try:
-                return fut.result(timeout=0.5)
-            except TimeoutError:
-                self._check_alive()
+    def add_dead_listener(self, fn: Callable[[str], None]) -> None:
+        """fn(reason) is called once if the engine dies (rollout-serve exits non-zero on it)."""
+        self._dead_listeners.append(fn)
+
+    def _call(self, method: str, *args: Any) -> list[Any]:
+        """An engine command (rollout/core/engine_loop.py: EngineCommands) on every rank."""
+        return self._client.call(method, *args)
+
+    def debug(self, fn: Callable[[Any], Any]) -> Any:
+        """fn(core) on the engine thread between steps (client="inproc" only; tests and debugging)."""
+        debug = getattr(self._client, "debug", None)
+        if debug is None:
+            raise ValueError('debug() needs Rollout(client="inproc")')
+        return debug(fn)
 
     def _check_alive(self) -> None:
-        if self._error is not None:
-            raise EngineDeadError(f"engine stopped: {self._error!r}")
-        if self._stopping or not self._thread.is_alive():
+        if self._stopping:
             raise EngineDeadError("engine is shut down")
+        reason = self._client.dead_reason
+        if reason is not None:
+            raise EngineDeadError(f"engine stopped: {reason}")
 
-    # ---- request building ----------------------------------------------------------------------
-    def _prompt_ids(self, prompts: Any, input_ids: Any) -> list[list[int]]:
-        if (prompts is None) == (input_ids is None):
-            raise ValueError("give exactly one of prompts (text) or input_ids (token ids)")
-        if prompts is not None:
-            if isinstance(prompts, str):
-                prompts = [prompts]
-            if not isinstance(prompts, (list, tuple)) or not all(isinstance(p, str) for p in prompts):
-                raise ValueError("prompts must be a string or a list of strings")
-            batch = [self.tokenizer.encode(p) for p in prompts]
-            name = "prompts"
-        else:
-            if isinstance(input_ids, (list, tuple)) and input_ids and all(isinstance(t, int) for t in input_ids):
-                input_ids = [input_ids]
-            if not isinstance(input_ids, (list, tuple)) or not all(isinstance(p, (list, tuple)) for p in input_ids):
-                raise ValueError("input_ids must be a list of token ids or a list of such lists")
-            batch = [list(p) for p in input_ids]
-            name = "input_ids"
-        if not batch:
-            raise ValueError(f"{name} must not be empty")
-        vocab = self.info.vocab_size
-        for i, ids in enumerate(batch):
-            if not ids:
-                raise ValueError(f"{name}[{i}] is empty: a prompt needs at least one token")
-            for t in ids:
-                if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
-                    raise ValueError(f"input_ids[{i}] holds {t!r}; token ids must be integers in [0, {vocab})")
-            if len(ids) >= self._core.context_length:
-                raise ValueError(f"{name}[{i}] has {len(ids)} tokens; the context limit is "
-                                 f"{self._core.context_length} (context_length), prompt must be shorter")
-        return batch
+    # ---- submitting ----------------------------------------------------------------------------
+    def _build(self, *args: Any) -> Groups:
+        return self._builder.build(*args)
 
-    @staticmethod
-    def _per_prompt(name: str, value: Any, count: int, scalar_types: tuple) -> list:
-        if isinstance(value, (list, tuple)) and not isinstance(value, scalar_types):
-            if len(value) != count:
-                raise ValueError(f"{name} has {len(value)} entries for {count} prompts")
-            return list(value)
-        return [value] * count
-
-    def _build(self, prompts: Any, input_ids: Any, sampling_params: ParamsArg, return_logprob: Any,
-               top_logprobs_num: Any, return_routed_experts: Any, routed_experts_start_len: Any, rid: Any,
-               stream: bool, routed_dp_rank: Any = None) -> list[Req]:
-        batch = self._prompt_ids(prompts, input_ids)
-        n_prompts = len(batch)
-        if isinstance(sampling_params, (list, tuple)):
-            if len(sampling_params) != n_prompts:
-                raise ValueError(f"sampling_params has {len(sampling_params)} entries for {n_prompts} prompts")
-            params = [SamplingParams.from_any(p) for p in sampling_params]
-        else:
-            params = [SamplingParams.from_any(sampling_params)] * n_prompts
-        if not isinstance(return_logprob, bool):
-            raise ValueError(f"return_logprob must be a boolean, got {return_logprob!r}")
-        if isinstance(top_logprobs_num, bool) or not isinstance(top_logprobs_num, int) \
-                or not 0 <= top_logprobs_num <= min(MAX_TOP_LOGPROBS, self.info.vocab_size):
-            raise ValueError(f"top_logprobs_num must be an integer in [0, "
-                             f"{min(MAX_TOP_LOGPROBS, self.info.vocab_size)}], got {top_logprobs_num!r}")
-        if not isinstance(return_routed_experts, bool):
-            raise ValueError(f"return_routed_experts must be a boolean, got {return_routed_experts!r}")
-        if return_routed_experts and not self._core.capture_enabled:
-            raise ValueError("return_routed_experts=True needs an engine started with "
-                             "enable_return_routed_experts=True")
-        starts = self._per_prompt("routed_experts_start_len", routed_experts_start_len, n_prompts, ())
-        rids = self._per_prompt("rid", rid, n_prompts, (str,))
-        capacity = self._core.kv_capacity
-        dp_ranks = self._per_prompt("routed_dp_rank", routed_dp_rank, n_prompts, ())
-        reqs: list[Req] = []
-        for i, (ids, p, start, r, dp_rank) in enumerate(zip(batch, params, starts, rids, dp_ranks)):
-            if dp_rank is not None and (isinstance(dp_rank, bool) or not isinstance(dp_rank, int)
-                                        or not 0 <= dp_rank < self.config.dp_size):
-                raise ValueError(f"routed_dp_rank must be None or an integer in [0, {self.config.dp_size}) "
-                                 f"(dp_size), got {dp_rank!r}")
-            p.check_vocab(self.info.vocab_size)
-            if isinstance(start, bool) or not isinstance(start, int) or not 0 <= start <= len(ids):
-                raise ValueError(f"routed_experts_start_len must be an integer in [0, {len(ids)}] "
-                                 f"(the prompt length), got {start!r}")
-            if len(ids) + p.max_new_tokens > capacity:
-                raise ValueError(f"max_new_tokens={p.max_new_tokens} with a {len(ids)}-token prompt needs more KV "
-                                 f"than the pool holds; prompt + max_new_tokens must be <= {capacity} (max_total_tokens)")
-            if r is not None and (not isinstance(r, str) or not r):
-                raise ValueError(f"rid must be a non-empty string, got {r!r}")
-            base_rid = r or uuid.uuid4().hex
-            seed = p.sampling_seed if p.sampling_seed is not None else self._rng.getrandbits(63)
-            for k in range(p.n):
-                child = base_rid if p.n == 1 else f"{base_rid}_{k}"
-                detok = None
-                if stream or p.stop:
-                    detok = IncrementalDetokenizer(
-                        lambda t, s=p.skip_special_tokens: self.tokenizer.decode(t, skip_special_tokens=s))
-                reqs.append(Req(
-                    rid=child, prompt_ids=list(ids), params=p, seed=_derive_seed(seed, k),
-                    return_logprob=return_logprob, top_logprobs_num=top_logprobs_num,
-                    return_routed_experts=return_routed_experts, routed_experts_start_len=start, stream=stream,
-                    max_total_len=self._core.context_length, detokenizer=detok, routed_dp_rank=dp_rank))
-        seen = [r.rid for r in reqs]
-        if len(set(seen)) != len(seen):
-            raise ValueError("rid values must be unique within a call")
-        return reqs
-
-    def _submit(self, reqs: list[Req], sink: Callable[[Any], None], group_rid: Optional[str] = None) -> list[str]:
+    def _submit(self, groups: Groups, sink: Callable[[Any], None]) -> list[str]:
         self._check_alive()
+        states = [st for group in groups for _, st in group]
         with self._lock:
-            clash = [r.rid for r in reqs if r.rid in self._inflight]
+            clash = [st.rid for st in states if st.rid in self._rids or st.group_rid in self._rids]
             if clash:
                 raise ValueError(f"rid {clash[0]!r} is already in flight; rids must be unique")
-            for req in reqs:
-                self._inflight[req.rid] = sink
-                req.sink = self._wrap_sink(req.rid, sink)
-            for req in reqs:
-                base = req.rid.rsplit("_", 1)[0] if req.params.n > 1 else None
-                if base is not None:
-                    self._groups.setdefault(base, []).append(req.rid)
-
-        def add() -> None:
-            for req in reqs:
-                self._core.add_request(req)
-
-        self._cmds.put(add)
-        return [r.rid for r in reqs]
-
-    def _wrap_sink(self, rid: str, sink: Callable[[Any], None]) -> Callable[[Any], None]:
-        def deliver(item: Any) -> None:
-            if isinstance(item, RolloutOutput) or (isinstance(item, StreamChunk) and item.finished):
-                with self._lock:
-                    self._inflight.pop(rid, None)
-                    for base, members in list(self._groups.items()):
-                        if rid in members:
-                            members.remove(rid)
-                            if not members:
-                                del self._groups[base]
-            sink(item)
-        return deliver
+            for st in states:
+                st.sink = sink
+                self._states[st.uid] = st
+                for key in {st.rid, st.group_rid}:
+                    self._rids.setdefault(key, []).append(st.uid)
+        try:
+            for group in groups:
+                self._client.add([spec for spec, _ in group])
+        except EngineDeadError:
+            with self._lock:
+                for st in states:
+                    if st.uid in self._states:
+                        self._forget(st)
+            raise
+        return [st.rid for st in states]
 
     # ---- public API ----------------------------------------------------------------------------
     def generate(self, prompts: Any = None, sampling_params: ParamsArg = None, *, input_ids: Any = None,
@@ -326,10 +184,10 @@ class Rollout:
 
         routed_dp_rank (dp_size > 1): pin the requests (or each prompt, given a list) to one DP rank;
         None lets the engine pick the least loaded rank."""
-        reqs = self._build(prompts, input_ids, sampling_params, return_logprob, top_logprobs_num,
-                           return_routed_experts, routed_experts_start_len, rid, stream, routed_dp_rank)
+        groups = self._build(prompts, input_ids, sampling_params, return_logprob, top_logprobs_num,
+                             return_routed_experts, routed_experts_start_len, rid, stream, routed_dp_rank)
         q: "queue.Queue[Any]" = queue.Queue()
-        rids = self._submit(reqs, q.put)
+        rids = self._submit(groups, q.put)
         if stream:
             return self._iter_chunks(q, set(rids))
         finals: dict[str, RolloutOutput] = {}
@@ -361,37 +219,82 @@ class Rollout:
                        routed_experts_start_len: Any = 0, rid: Any = None, stream: bool = False,
                        routed_dp_rank: Any = None) -> AsyncGeneration:
         """`await engine.async_generate(...)` -> outputs; `async for c in engine.async_generate(..., stream=True)`."""
-        reqs = self._build(prompts, input_ids, sampling_params, return_logprob, top_logprobs_num,
-                           return_routed_experts, routed_experts_start_len, rid, stream, routed_dp_rank)
-        return AsyncGeneration(lambda sink: self._submit(reqs, sink), stream)
+        groups = self._build(prompts, input_ids, sampling_params, return_logprob, top_logprobs_num,
+                             return_routed_experts, routed_experts_start_len, rid, stream, routed_dp_rank)
+        return AsyncGeneration(lambda sink: self._submit(groups, sink), stream)
+
+    def submit(self, sink: Callable[[Any], None], prompts: Any = None, sampling_params: ParamsArg = None, *,
+               input_ids: Any = None, return_logprob: bool = False, top_logprobs_num: int = 0,
+               return_routed_experts: bool = False, routed_experts_start_len: Any = 0, rid: Any = None,
+               stream: bool = False, routed_dp_rank: Any = None) -> list[str]:
+        """Validates and queues like generate(); sink(item) is then called on the client's receiver
+        thread with each StreamChunk (stream) or RolloutOutput, or an exception. Returns the
+        request ids in output order (prompt-major)."""
+        groups = self._build(prompts, input_ids, sampling_params, return_logprob, top_logprobs_num,
+                             return_routed_experts, routed_experts_start_len, rid, stream, routed_dp_rank)
+        return self._submit(groups, sink)
+
+    def _uids_of(self, rids: Sequence[str]) -> list[int]:
+        with self._lock:
+            return [uid for r in rids for uid in self._rids.get(r, ())]
 
     def abort(self, rid: str) -> bool:
-        """Aborts a request (or every sample of an n>1 request) at any stage; its output says abort."""
-        with self._lock:
-            targets = list(self._groups.get(rid, [])) or [rid]
-        return any(self._call(lambda core: [core.abort(t) for t in targets]))
+        """Aborts a request (or every sample of an n>1 request) at any stage; its output says abort.
+        False when no such request is in flight."""
+        self._check_alive()
+        uids = self._uids_of([rid])
+        self._client.abort(uids)
+        return bool(uids)
+
+    def abort_nowait(self, rids: Sequence[str]) -> None:
+        """Queues aborts without waiting (safe from an event loop); unknown or finished ids are ignored."""
+        if self._client.dead_reason is None:
+            self._client.abort(self._uids_of(rids))
 
     def abort_all(self) -> int:
-        return self._call(lambda core: core.abort_all())
+        return sum(self._call("abort_all"))
 
     def flush_cache(self) -> bool:
-        return self._call(lambda core: core.flush_cache())
+        return all(self._call("flush_cache"))
 
     def check_integrity(self) -> None:
-        self._call(lambda core: core.check_integrity())
+        self._call("check_integrity")
 
     def stats(self) -> dict[str, Any]:
-        return self._call(lambda core: core.stats_report())
+        per_rank = self._call("stats_report")
+        if len(per_rank) == 1:
+            return per_rank[0]
+        merged: dict[str, Any] = {}
+        for stats in per_rank:
+            for key, value in stats.items():
+                if isinstance(value, (int, float)) and not isinstance(value, bool):
+                    merged[key] = merged.get(key, 0) + value
+        merged["dp_ranks"] = per_rank
+        return merged
+
+    def recent_layouts(self) -> list[list[GatherLayout]]:
+        """Per rank: the GatherLayouts of its latest forwards, oldest first (tests and debugging)."""
+        return [[GatherLayout(runner=r, token_counts=tuple(c), padded_extent=e) for r, c, e in rank]
+                for rank in self._call("recent_layouts")]
+
+    def runner_report(self) -> list[dict]:
+        """Per rank: what the static-shape runners captured (tests and debugging)."""
+        return self._call("runner_report")
+
+    def engine_pids(self) -> list[int]:
+        """The engine processes (one per DP rank); empty for client="inproc"."""
+        return self._client.pids()
 
     def shutdown(self) -> None:
-        if self._thread.is_alive() and not self._stopping and self._error is None:
+        if self._stopping:
+            return
+        if self._client.dead_reason is None:
             try:
-                self._call(lambda core: core.abort_all())
+                self._call("abort_all")
             except EngineDeadError:
                 pass
         self._stopping = True
-        self._thread.join(timeout=30)
-        self._core.close()
+        self._client.close()
 
     def __enter__(self) -> "Rollout":
         return self
@@ -399,46 +302,33 @@ class Rollout:
     def __exit__(self, *exc: Any) -> None:
         self.shutdown()
 
-    # ---- server support ----
+    # ---- server support ------------------------------------------------------------------------
     @property
-    def model(self) -> Any:
-        """The model module; read its names/shapes/dtypes freely, change weights only via swap_weights."""
-        return self._core.model
-
-    @property
-    def weight_version(self) -> str:
-        return self._core.weight_version
-
-    @property
-    def paused_mode(self) -> Optional[str]:
-        return self._core.paused_mode
-
-    def submit(self, sink: Callable[[Any], None], prompts: Any = None, sampling_params: ParamsArg = None, *,
-               input_ids: Any = None, return_logprob: bool = False, top_logprobs_num: int = 0,
-               return_routed_experts: bool = False, routed_experts_start_len: Any = 0, rid: Any = None,
-               stream: bool = False, routed_dp_rank: Any = None) -> list[str]:
-        """Validates and queues like generate(); sink(item) is then called on the engine thread with
-        each StreamChunk (stream) or RolloutOutput, or an exception. Returns the request ids in
-        output order (prompt-major)."""
-        reqs = self._build(prompts, input_ids, sampling_params, return_logprob, top_logprobs_num,
-                           return_routed_experts, routed_experts_start_len, rid, stream, routed_dp_rank)
-        return self._submit(reqs, sink)
-
-    def abort_nowait(self, rids: Sequence[str]) -> None:
-        """Queues aborts without waiting (safe from an event loop); unknown or finished ids are ignored."""
-        if self._error is None and not self._stopping:
-            rids = list(rids)
-            self._cmds.put(lambda: [self._core.abort(r) for r in rids])
+    def model(self) -> torch.nn.Module:
+        """The model's structure on the meta device (names, shapes, dtypes); weights live in the engine."""
+        if self._meta_model is None:
+            hf_cfg, gen = read_config(self.config.model_path)
+            with torch.device("meta"):
+                self._meta_model = self._model_cls(self._model_cls.spec_from_config(hf_cfg, gen)).to(
+                    resolve_dtype(self.config.dtype, hf_cfg))
+        return self._meta_model
 
     def pause_generation(self, mode: str = "abort") -> int:
         """See EngineCore.pause; returns how many requests were aborted/retracted/held."""
-        return self._call(lambda core: core.pause(mode))
+        count = sum(self._call("pause", mode))
+        self.paused_mode = mode
+        return count
 
     def continue_generation(self) -> bool:
-        return self._call(lambda core: core.resume())
+        was = any(self._call("resume"))
+        self.paused_mode = None
+        return was
 
     def loads(self) -> list[dict]:
-        return self._call(lambda core: core.load_report())
+        out = []
+        for rank, rows in enumerate(self._call("load_report")):
+            out += [dict(row, dp_rank=rank) for row in rows]
+        return out
 
     def swap_weights(self, staged: dict, *, weight_version: Optional[str] = None,
                      abort_all_requests: bool = False, poll_s: float = 0.005) -> int:
@@ -450,37 +340,47 @@ class Rollout:
         instead. The prefix cache is flushed and weight_version set (when given). Blocks the
         calling thread; returns the tensors copied.
         """
-        def begin(core: EngineCore) -> None:
-            if abort_all_requests:
-                core.abort_all()
-            core.hold_admission()
+        from rollout.core.engine_loop import tensors_to_wire  # noqa: PLC0415
 
-        def ready(core: EngineCore) -> bool:
-            # NOTE: a cheap check first, so the staged tensors go to try_swap_weights (to every DP
-            # rank) only once the running requests are done (or paused, when they get retracted).
-            return core.paused_mode is not None or not any(ld["num_running_reqs"] for ld in core.load_report())
-
-        self._call(begin)
+        if abort_all_requests:
+            self._call("abort_all")
+        self._call("hold_admission")
+        wire = None
         try:
             while True:
-                if self._call(ready):
-                    count = self._call(lambda core: core.try_swap_weights(staged, weight_version))
-                    if count is not None:
-                        return count
+                # NOTE: a cheap check first, so the tensors travel to the ranks only once the running
+                # requests are done (or paused, when they get retracted)
+                if self.paused_mode is not None or not any(ld["num_running_reqs"] for ld in self.loads()):
+                    wire = wire or tensors_to_wire(staged)
+                    counts = self._call("try_swap_weights", wire, weight_version)
+                    if all(c is not None for c in counts):
+                        if weight_version is not None:
+                            self.weight_version = weight_version
+                        return counts[0]
                 time.sleep(poll_s)
         finally:
-            if self._error is None and not self._stopping:
-                self._call(lambda core: core.release_admission())
+            if self._client.dead_reason is None:
+                self._call("release_admission")
 
     @property
     def context_length(self) -> int:
-        return self._core.context_length
+        return self._client.context_length
 
     @property
     def kv_capacity(self) -> int:
         """KV slots in the pool: a request's prompt + max_new_tokens must fit in it."""
-        return self._core.kv_capacity
+        return self._client.kv_capacity
 
     @property
     def is_alive(self) -> bool:
-        return self._error is None and not self._stopping and self._thread.is_alive()
+        return self._client.dead_reason is None and not self._stopping
+
+    @property
+    def last_step_time(self) -> float:
+        """time.time() of the engine's latest finished step."""
+        return self._client.last_step_time
+
+    @property
+    def busy(self) -> bool:
+        """Whether the engine had work after its latest step."""
+        return self._client.busy

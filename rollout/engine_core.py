@@ -1,4 +1,9 @@
-"""EngineCore: model, KV memory, prefix cache, scheduler, sampler and capture, stepped by one thread."""
+"""EngineCore: model, KV memory, prefix cache, scheduler, sampler and capture, stepped by one loop.
+
+It never builds text or wire formats: each step appends one ReqUpdate (new token ids, logprobs,
+routing rows as raw bytes) per request it touched to `outbox`; the engine loop sends them to the
+front end, which detokenizes, checks stop strings and encodes (rollout/frontend/).
+"""
 from __future__ import annotations
 
 import logging
@@ -11,37 +16,36 @@ from capture.capturer import RoutedExpertsCapturer
 from rollout.config import EngineConfig
 from rollout.host_malloc import tune_glibc_malloc
 from rollout.kv_pool import KVPool
+from rollout.ipc.messages import ReqUpdate, floats, ints
 from rollout.model_runner import ModelRunner
 from rollout.models.moe import FusedExperts
 from rollout.models.registry import load_model
-from rollout.output import RolloutOutput
 from rollout.radix_cache import RadixCache
 from rollout.runners.capture_profiler import GraphCaptureProfiler
 from rollout.runners.runner_plan import RunnerPlan
 from rollout.request import FinishReason, Req, ReqState
 from rollout.sampler import sample
 from rollout.scheduler import Scheduler
-from rollout.stream_chunk import StreamChunk
 from rollout.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 DEFAULT_KV_CACHE_BYTES = 512 * 2**20
+PAUSE_MODES = ("abort", "retract", "in_place")
 
 
 class EngineCore:
     def __init__(self, cfg: EngineConfig, *, ep_group: Optional[Any] = None):
         """One DP rank's engine. ep_group: this rank's EPGroup when dp_size > 1 (a DP worker builds
-        it; Rollout runs dp_size > 1 through DPCoordinator)."""
+        it: rollout/core/engine_proc.py, one process per rank)."""
         if cfg.dp_size > 1 and ep_group is None:
             raise ValueError(f"dp_size={cfg.dp_size}: EngineCore runs one DP rank and needs its ep_group; "
-                             f"use Rollout (DPCoordinator) for dp_size > 1")
+                             f"use Rollout for dp_size > 1")
         self.cfg = cfg
         self.ep_group = ep_group
         self.dp_rank = ep_group.rank if ep_group is not None else 0
         self.device = torch.device(cfg.device)
         if self.device.type == "cpu":
             tune_glibc_malloc()  # NOTE: CPU forwards in a fresh process ran ~2x slower without it
-        self.tokenizer = Tokenizer(cfg.resolved_tokenizer_path)
         self.model, _ = load_model(cfg.model_path, cfg.dtype, self.device,
                                    expert_shard=(ep_group.rank, ep_group.size) if ep_group is not None else None)
         self.info = self.model.info
@@ -83,6 +87,9 @@ class EngineCore:
         if self.capturer is not None:
             self.runner.plan.check_capture_fits(self.capturer.buffer.rows)
         self.runner.capture(GraphCaptureProfiler(cfg.resolved_profile_graph_capture_dir))
+        # NOTE: routing rows travel as int16 (logical ids and -1) unless the expert count needs int32
+        self._routing_dtype = torch.int16 if self.info.num_experts < 2**15 else torch.int32
+        self.outbox: list[ReqUpdate] = []
         self.stats = {"num_forwards": 0, "num_prefill_forwards": 0, "num_decode_forwards": 0,
                       "prompt_tokens": 0, "generated_tokens": 0, "finished_requests": 0,
                       "aborted_requests": 0}
@@ -102,19 +109,24 @@ class EngineCore:
     def has_work(self) -> bool:
         return self.scheduler.has_work() and self._may_step()
 
-    def abort(self, rid: str) -> bool:
-        req = self.scheduler.find(rid)
+    def abort(self, uid: int, message: str = "aborted by request") -> bool:
+        req = self.scheduler.find(uid)
         if req is None:
             return False
-        self._finish(req, FinishReason("abort", message="aborted by request"))
+        self._finish(req, FinishReason("abort", message=message))
         self.stats["aborted_requests"] += 1
         return True
 
-    def abort_all(self) -> int:
+    def abort_all(self, message: str = "aborted by request") -> int:
         reqs = list(self.scheduler.running) + list(self.scheduler.waiting)
         for req in reqs:
-            self.abort(req.rid)
+            self.abort(req.uid, message)
         return len(reqs)
+
+    def take_updates(self) -> list[ReqUpdate]:
+        """The updates produced since the last call (the engine loop sends them after each step)."""
+        out, self.outbox = self.outbox, []
+        return out
 
     def flush_cache(self) -> bool:
         """Drops every cached prefix (and so its routing); refused while requests hold KV."""
@@ -137,14 +149,12 @@ class EngineCore:
     def stats_report(self) -> dict:
         return dict(self.stats, num_retractions=self.scheduler.num_retractions, kv_used=self.kv_pool.used(),
                     kv_total=self.kv_pool.num_slots, running=len(self.scheduler.running),
-                    waiting=len(self.scheduler.waiting))
+                    waiting=len(self.scheduler.waiting),
+                    capture_buffer_bytes=self.capturer.buffer.nbytes if self.capturer is not None else 0)
 
     def recent_layouts(self) -> list:
         """The GatherLayouts of the latest forwards (oldest first), for tests and debugging."""
         return list(self.runner.recent_layouts)
-
-    def close(self) -> None:
-        """Nothing to release in-process (DPCoordinator stops its workers here)."""
 
     # ---- stepping ------------------------------------------------------------------------------
     def step(self) -> None:
@@ -197,7 +207,6 @@ class EngineCore:
         if result.top_ids is not None:
             top = (result.top_logprobs.tolist(), result.top_ids.tolist())
         self.stats["generated_tokens"] += len(reqs)
-        default_interval = self.cfg.stream_interval
         eos = self._eos_set
         for j, req in enumerate(reqs):
             tok = next_ids[j]
@@ -207,21 +216,18 @@ class EngineCore:
             if req.top_logprobs_num:
                 n = req.top_logprobs_num
                 req.output_top_logprobs.append(list(zip(top[0][j][:n], top[1][j][:n])))
-            if req.detokenizer is not None:
-                req.detokenizer.step(out_ids)
             p = req.params
             # NOTE: the usual token ends nothing; only a token that could (_check_finish) pays for
-            # the full check
-            if ((tok in eos and not p.ignore_eos) or p.stop_token_ids or p.stop or len(out_ids) >= p.max_new_tokens
+            # the full check. Stop strings are the front end's (it sees the text and aborts).
+            if ((tok in eos and not p.ignore_eos) or p.stop_token_ids or len(out_ids) >= p.max_new_tokens
                     or len(req.prompt_ids) + len(out_ids) >= req.max_total_len):
                 reason = self._check_finish(req, tok)
             else:
                 reason = None
             if reason is not None:
                 self._finish(req, reason)
-            elif req.stream and len(req.output_ids) - req.sent_tokens >= (
-                    req.params.stream_interval or default_interval):
-                self._emit_chunk(req, finished=False)
+            elif req.emit_interval and len(out_ids) - req.sent_tokens >= req.emit_interval:
+                self._update(req)
 
     def _banned_ids(self, req: Req) -> list[int]:
         if len(req.output_ids) >= req.params.min_new_tokens:
@@ -234,12 +240,6 @@ class EngineCore:
             return FinishReason("stop", matched=tok)
         if tok in p.stop_token_ids:
             return FinishReason("stop", matched=tok)
-        if p.stop and req.detokenizer is not None:
-            if len(req.output_ids) >= p.min_new_tokens:
-                window = req.detokenizer.text[-(max(len(s) for s in p.stop) + 16):]
-                for s in p.stop:
-                    if s in window:
-                        return FinishReason("stop", matched=s)
         if len(req.output_ids) >= p.max_new_tokens or req.seq_len >= req.max_total_len:
             return FinishReason("length")
         return None
@@ -261,69 +261,42 @@ class EngineCore:
             start = req.routed_experts_start_len
             req.saved_routing = self._routing_rows(req, start, max(start, req.kv_len)).clone()
 
-    def _text(self, req: Req, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=req.params.skip_special_tokens)
-
-    def _final_text(self, req: Req, reason: FinishReason) -> str:
-        text = self._text(req, req.output_ids)
-        if reason.type == "stop" and isinstance(reason.matched, str) and not req.params.no_stop_trim:
-            cut = text.find(reason.matched)
-            if cut >= 0:
-                text = text[:cut]
-        return text
+    def _update(self, req: Req, reason: Optional[FinishReason] = None) -> None:
+        """Appends what req gained since its previous update (tokens, logprobs, final routing rows)."""
+        lo = req.sent_tokens
+        upd = ReqUpdate(uid=req.uid, output_ids=ints(req.output_ids[lo:]), cached_tokens=req.cached_tokens,
+                        num_retractions=req.num_retractions, weight_version=self.weight_version,
+                        kv_computed=req.kv_len)
+        if req.return_logprob:
+            upd.logprobs = floats(req.output_logprobs[lo:])
+        if req.top_logprobs_num:
+            rows = req.output_top_logprobs[lo:]
+            upd.top_n = req.top_logprobs_num
+            upd.top_logprobs = floats([[lp for lp, _ in row] for row in rows])
+            upd.top_ids = ints([[t for _, t in row] for row in rows])
+        if self.capturer is not None and req.return_routed_experts:
+            start = max(req.sent_routing_rows, req.routed_experts_start_len)
+            hi = max(start, self._routing_hi(req))
+            upd.routing = self._routing_rows(req, start, hi).to(self._routing_dtype).numpy().tobytes()
+            upd.routing_dtype = "int16" if self._routing_dtype == torch.int16 else "int32"
+            upd.routing_start = start
+            req.sent_routing_rows = hi
+        req.sent_tokens = len(req.output_ids)
+        if reason is not None:
+            upd.finished = True
+            upd.finish_type, upd.finish_matched, upd.finish_message = reason.type, reason.matched, reason.message
+        self.outbox.append(upd)
 
     def _finish(self, req: Req, reason: FinishReason) -> None:
-        want_rows = self.capturer is not None and req.return_routed_experts
-        routed = None
-        if want_rows:
-            routed = self._routing_rows(req, req.routed_experts_start_len, self._routing_hi(req))
-        output = RolloutOutput(
-            rid=req.rid, prompt_ids=list(req.prompt_ids), output_ids=list(req.output_ids),
-            text=self._final_text(req, reason), finish_reason=reason.type,
-            finish_info=reason.to_dict(len(req.output_ids)),
-            output_logprobs=list(req.output_logprobs) if req.return_logprob else None,
-            output_top_logprobs=list(req.output_top_logprobs) if req.top_logprobs_num else None,
-            cached_tokens=req.cached_tokens, weight_version=self.weight_version,
-            routed_experts=routed, routed_experts_start_len=req.routed_experts_start_len,
-            num_experts=self.info.num_experts, moe_layer_ids=self.info.moe_layer_ids,
-            num_retractions=req.num_retractions)
-        if req.stream:
-            self._emit_chunk(req, finished=True, output=output)
+        self._update(req, reason)  # NOTE: before remove(): the routing rows live at the request's KV slots
         self.scheduler.remove(req)
         req.state = ReqState.FINISHED
         req.finish_reason = reason
         self.stats["finished_requests"] += 1
-        if req.sink is not None and not req.stream:
-            req.sink(output)
-
-    def _emit_chunk(self, req: Req, *, finished: bool, output: Optional[RolloutOutput] = None) -> None:
-        new_ids = req.output_ids[req.sent_tokens:]
-        streamed = req.detokenizer.text if req.detokenizer is not None else ""
-        if output is not None:
-            # NOTE: the last chunk completes the full text (flushed bytes, stop-string trim).
-            text = output.text[req.sent_text_len:] if len(output.text) >= req.sent_text_len else ""
-            req.sent_text_len = len(output.text)
-        else:
-            text = streamed[req.sent_text_len:]
-            req.sent_text_len = len(streamed)
-        lo = max(req.sent_routing_rows, req.routed_experts_start_len)
-        routed = None
-        if self.capturer is not None and req.return_routed_experts:
-            hi = max(lo, self._routing_hi(req))
-            routed = self._routing_rows(req, lo, hi)
-            req.sent_routing_rows = hi
-        chunk = StreamChunk(
-            rid=req.rid, output_ids=new_ids, text=text,
-            output_logprobs=req.output_logprobs[req.sent_tokens:] if req.return_logprob else None,
-            output_top_logprobs=req.output_top_logprobs[req.sent_tokens:] if req.top_logprobs_num else None,
-            routed_experts=routed, routed_experts_start=lo, finished=finished, output=output)
-        req.sent_tokens = len(req.output_ids)
-        if req.sink is not None:
-            req.sink(chunk)
 
     # ---- server support ----
     # NOTE: class-level defaults, so the constructor above needs no change.
-    PAUSE_MODES = ("abort", "retract", "in_place")
+    PAUSE_MODES = PAUSE_MODES
     paused_mode: Optional[str] = None      # None (running) | "abort" | "retract" | "in_place"
     _admission_holds: int = 0              # > 0 while weight updates wait for running requests
     _held_max_running: int = 0

@@ -82,6 +82,16 @@ class ModelRunner:
                 runner.capture(profiler, self.variants, self.dp_rank)
                 runner.active_variant = self.variants[0]
 
+    def report(self) -> dict:
+        """Per static runner: whether it replays CUDA graphs, how many it captured per key, forwards run."""
+        out: dict = {}
+        for name, runner in self.runners.items():
+            graphs = getattr(runner.backend, "graphs", {}) if hasattr(runner, "backend") else {}
+            out[name] = {"uses_graphs": bool(getattr(getattr(runner, "backend", None), "uses_graphs", False)),
+                         "graphs": {str(k): len(v) if isinstance(v, list) else 1 for k, v in graphs.items()},
+                         "forwards": self.counts[name]}
+        return out
+
     @torch.inference_mode()
     def forward(self, batch: Optional[ScheduledBatch]) -> Optional[ForwardOutput]:
         """batch None: this rank has nothing (DP: it still takes part). None when no rank has tokens."""

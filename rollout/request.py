@@ -3,11 +3,10 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 
-from rollout.detokenizer import IncrementalDetokenizer
 from rollout.sampling_params import SamplingParams
 
 
@@ -36,7 +35,8 @@ class FinishReason:
 
 @dataclass(eq=False)
 class Req:
-    rid: str
+    uid: int                             # the engine's key (unique per engine; the front end assigns it)
+    rid: str                             # the caller's request id (logs, error messages)
     prompt_ids: list[int]
     params: SamplingParams
     seed: int
@@ -44,10 +44,8 @@ class Req:
     top_logprobs_num: int = 0
     return_routed_experts: bool = False
     routed_experts_start_len: int = 0
-    stream: bool = False
+    emit_interval: int = 0               # 0: one update when finished; k: an update every k new tokens
     max_total_len: int = 0               # prompt + output never exceed this (context limit)
-    sink: Optional[Callable[[Any], None]] = None
-    detokenizer: Optional[IncrementalDetokenizer] = None
     routed_dp_rank: Optional[int] = None  # DP attention: the rank this request must run on (None = any)
 
     output_ids: list[int] = field(default_factory=list)
@@ -64,9 +62,8 @@ class Req:
     admit_seq: int = 0                   # admission order; retraction picks the newest
     num_retractions: int = 0
     saved_routing: Optional[torch.Tensor] = None  # [n, L, K] rows for positions start.. saved at retraction
-    sent_tokens: int = 0                 # streaming cursors
+    sent_tokens: int = 0                 # update cursors: what earlier updates carried
     sent_routing_rows: int = 0
-    sent_text_len: int = 0
 
     @property
     def fill_ids(self) -> list[int]:

@@ -72,12 +72,12 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def find(self, rid: str) -> Optional[Req]:
+    def find(self, uid: int) -> Optional[Req]:
         for req in self.running:
-            if req.rid == rid:
+            if req.uid == uid:
                 return req
         for req in self.waiting:
-            if req.rid == rid:
+            if req.uid == uid:
                 return req
         return None
 

@@ -1,8 +1,10 @@
 """rollout-serve: SGLang-compatible HTTP server over the Rollout engine (FastAPI + uvicorn).
 
-The engine steps on its own thread (Rollout); handlers submit requests and receive their chunks
-and outputs through thread-safe callbacks into the event loop, so concurrent requests batch
-together. Blocking engine calls (pause, flush, stats, weight swaps) run on worker threads.
+The engine runs in a process of its own (one per DP rank) behind Rollout; handlers submit requests
+and receive their chunks and outputs through thread-safe callbacks into the event loop, so
+concurrent requests batch together. Blocking engine calls (pause, flush, stats, weight swaps) run
+on worker threads. If the engine dies, every waiter gets a 503, /health fails, and the server
+exits non-zero (its supervisor restarts it).
 
 Errors: every rejected request gets a 4xx with {"error": {"message", "type", "param", "code"}}
 (weight endpoints answer SGLang's {"success": false, "message"}); 503 only when the engine died.
@@ -14,6 +16,7 @@ import hmac
 import json
 import logging
 import socket
+import sys
 import threading
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
@@ -27,7 +30,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from rollout.engine import EngineDeadError, Rollout
-from rollout.engine_core import EngineCore
+from rollout.engine_core import PAUSE_MODES
 from rollout.openai_api import (ApiError, ClientGone, EngineStream, OpenAIServing, SSEResponse, check_routing_format,
                                 encode_rows, error_body, json_response, param_of, sse)
 from rollout.output import RolloutOutput
@@ -36,6 +39,7 @@ from rollout.weight_updater import WeightUpdateError, WeightUpdater
 
 logger = logging.getLogger("rollout.server")
 VERSION = "0.1.0"
+ENGINE_DEAD_EXIT_DELAY_S = 1.0
 WEIGHT_PATHS = frozenset({"/update_weights_from_disk", "/update_weights_from_tensor", "/init_weights_update_group",
                           "/update_weights_from_distributed", "/destroy_weights_update_group"})
 ADMIN_PATHS = WEIGHT_PATHS | {"/pause_generation", "/continue_generation", "/flush_cache", "/debug/integrity"}
@@ -483,8 +487,8 @@ def create_app(engine: Rollout, server_args: ServerArgs) -> FastAPI:
         body = await read_json(request, allow_empty=True)
         check_fields(body, {"mode"})
         mode = body.get("mode", "abort")
-        if mode not in EngineCore.PAUSE_MODES:
-            raise ApiError(400, f"mode must be one of {list(EngineCore.PAUSE_MODES)}, got {mode!r}"[:300],
+        if mode not in PAUSE_MODES:
+            raise ApiError(400, f"mode must be one of {list(PAUSE_MODES)}, got {mode!r}"[:300],
                            param="mode")
         count = await blocking(engine.pause_generation, mode)
         return json_response({"success": True, "mode": mode, "num_requests": count,
@@ -670,6 +674,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
         logger.warning("listening on %s without --api-key: anyone who can reach it may generate", args.host)
     engine = Rollout(config=args.engine_config())
+    died: list[str] = []
     try:
         app = create_app(engine, args)
         sock = _bind(args.host, args.port)
@@ -678,9 +683,20 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         print(f"rollout-serve listening on http://{shown}:{port}", flush=True)
         config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=5,
                                 access_log=args.log_level == "debug")
-        uvicorn.Server(config).run(sockets=[sock])
+        server = uvicorn.Server(config)
+
+        def on_engine_dead(reason: str) -> None:
+            died.append(reason)
+            logger.error("the engine died (%s); exiting so that a supervisor restarts the server", reason)
+            # NOTE: a moment for the 503s of the requests in flight to be written
+            threading.Timer(ENGINE_DEAD_EXIT_DELAY_S, lambda: setattr(server, "should_exit", True)).start()
+
+        engine.add_dead_listener(on_engine_dead)
+        server.run(sockets=[sock])
     finally:
         engine.shutdown()
+    if died:
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,13 @@
 """Server benchmark: a real rollout-serve process vs the same workload through the Python API.
 
     python scripts/bench_server.py [--model-path DIR] [--concurrency 1 16 64] [--prompt-len 32]
-                                   [--max-new-tokens 64] [--stream-interval 1] [--json PATH]
+                                   [--max-new-tokens 64] [--stream-interval 1] [--grpo-repeats 3]
+                                   [--json PATH]
+
+GRPO batch (first): 24 prompts x 8 samples (prompts of 32-200 tokens, 16-128 new tokens per
+prompt, temperature 1, ignore_eos, logprobs and routing on) sent the way slime sends it, one
+concurrent non-streaming /generate per sample, against one `Rollout.generate` call with n=8;
+output tokens/s, alternating, every repeat reported and the median ratio.
 
 Workload: closed-loop clients, each sending streaming greedy requests (random prompt ids,
 ignore_eos, routing on in int32) one after another. For each concurrency c it reports output
@@ -126,6 +132,63 @@ def response_bytes(url: str, prompt_len: int, params: dict, seed: int) -> list[d
     return rows
 
 
+# ---- the GRPO batch ----------------------------------------------------------------------------
+def grpo_batch(seed: int, prompts: int = 24, samples: int = 8) -> list[tuple[list[int], int]]:
+    rng = random.Random(seed)
+    return [([rng.randrange(3, 500) for _ in range(rng.randint(32, 200))], rng.randint(16, 128))
+            for _ in range(prompts)]
+
+
+def grpo_params(new: int, n: int = 1) -> dict:
+    return {"temperature": 1.0, "max_new_tokens": new, "ignore_eos": True, "n": n}
+
+
+async def grpo_server(url: str, batch: list[tuple[list[int], int]], samples: int) -> tuple[float, int]:
+    limits = httpx.Limits(max_connections=len(batch) * samples + 8, max_keepalive_connections=len(batch) * samples)
+    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as ac:
+        async def one(ids: list[int], new: int) -> int:
+            body = {"input_ids": ids, "sampling_params": grpo_params(new), "return_logprob": True,
+                    "return_routed_experts": True}
+            r = await ac.post("/generate", json=body)
+            r.raise_for_status()
+            return r.json()["meta_info"]["completion_tokens"]
+
+        t0 = time.perf_counter()
+        counts = await asyncio.gather(*[one(ids, new) for ids, new in batch for _ in range(samples)])
+        return time.perf_counter() - t0, sum(counts)
+
+
+def grpo_python(engine, batch: list[tuple[list[int], int]], samples: int) -> tuple[float, int]:
+    t0 = time.perf_counter()
+    outs = engine.generate(input_ids=[ids for ids, _ in batch],
+                           sampling_params=[grpo_params(new, samples) for _, new in batch],
+                           return_logprob=True, return_routed_experts=True)
+    return time.perf_counter() - t0, sum(len(o.output_ids) for o in outs)
+
+
+def grpo_rows(model_path: str, repeats: int, seed: int) -> dict:
+    from rollout import Rollout
+
+    srv = Server(["--model-path", model_path, "--enable-return-routed-experts"])
+    rows = []
+    try:
+        with Rollout(model_path, enable_return_routed_experts=True) as engine:
+            warm = grpo_batch(seed + 99, prompts=2, samples=2)
+            asyncio.run(grpo_server(srv.url, warm, 2))
+            grpo_python(engine, warm, 2)
+            for i in range(repeats):
+                batch = grpo_batch(seed + i)
+                for name, run in (("python", lambda: grpo_python(engine, batch, 8)),
+                                  ("server", lambda: asyncio.run(grpo_server(srv.url, batch, 8)))):
+                    wall, tokens = run()
+                    rows.append({"api": name, "repeat": i, "wall_s": wall, "tokens": tokens,
+                                 "tokens_per_s": tokens / wall})
+    finally:
+        srv.stop()
+    ratios = sorted(s["tokens_per_s"] / p["tokens_per_s"] for p, s in zip(rows[::2], rows[1::2]))
+    return {"rows": rows, "ratios": ratios, "median_ratio": ratios[len(ratios) // 2]}
+
+
 # ---- python side ----------------------------------------------------------------------------------
 async def python_run(engine, prompts: list[list[list[int]]], params: dict) -> tuple[float, int, list[float]]:
     gaps: list[float] = []
@@ -160,12 +223,22 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--repeats", type=int, default=2, help="runs per (api, concurrency); the best is kept")
     ap.add_argument("--stream-interval", type=int, default=1, help="sampling_params.stream_interval (tokens/chunk)")
+    ap.add_argument("--grpo-repeats", type=int, default=3, help="GRPO batch runs per api (0: skip)")
     ap.add_argument("--json", default=None, help="write the results here")
     args = ap.parse_args()
     params = {"temperature": 0.0, "max_new_tokens": args.max_new_tokens, "ignore_eos": True,
               "stream_interval": args.stream_interval}
     flags = ["--model-path", args.model_path, "--enable-return-routed-experts", "--disable-prefix-caching"]
     results: dict = {"config": vars(args), "throughput": [], "bytes": []}
+    if args.grpo_repeats:
+        results["grpo"] = grpo = grpo_rows(args.model_path, args.grpo_repeats, args.seed)
+        print("\nGRPO batch: 24 prompts x 8 samples, one non-streaming /generate per sample vs one "
+              "Rollout.generate(n=8); logprobs + routing on")
+        print(f"{'api':<8}{'repeat':>8}{'tokens':>8}{'wall s':>9}{'tok/s':>9}")
+        for r in grpo["rows"]:
+            print(f"{r['api']:<8}{r['repeat']:>8}{r['tokens']:>8}{r['wall_s']:>9.2f}{r['tokens_per_s']:>9.0f}")
+        print(f"server/python tok/s per repeat: {', '.join(f'{x:.2f}' for x in grpo['ratios'])}; "
+              f"median {grpo['median_ratio']:.2f}")
 
     from rollout import Rollout
 

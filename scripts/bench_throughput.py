@@ -17,6 +17,7 @@ import random
 import statistics
 import subprocess
 import sys
+import threading
 import time
 
 import torch
@@ -79,7 +80,8 @@ def run_hf(model_path: str, prompts, max_news) -> tuple[float, int]:
 
 
 def in_fresh_process(kind: str, model_path: str, num_prompts: int, n: int) -> tuple[float, int]:
-    """One measured run in a fresh Python process: kind "engine", "engine_capture" or "hf".
+    """One measured run in a fresh Python process: kind "engine", "engine_capture", "engine_busy_caller"
+    (capture off, a busy torch loop in a thread of the caller meanwhile) or "hf".
     Every run starts from the same state (no malloc tuning, OpenMP pools, heap or page layout
     left by earlier runs), as a user's job would; the caller interleaves the kinds."""
     code = ("import json, sys; sys.path.insert(0, sys.argv[1]); import bench_throughput as b; "
@@ -99,7 +101,23 @@ def worker(kind: str, model_path: str, num_prompts: int, n: int) -> tuple[float,
     capture = kind == "engine_capture"
     with Rollout(model_path, enable_return_routed_experts=capture) as engine:
         run_engine(engine, prompts[:2], [m[:2] for m in max_news[:2]], capture)   # warm-up
-        return run_engine(engine, prompts, max_news, capture)
+        if kind != "engine_busy_caller":
+            return run_engine(engine, prompts, max_news, capture)
+        stop = threading.Event()
+        busy = threading.Thread(target=busy_torch_loop, args=(stop,), daemon=True)
+        busy.start()
+        try:
+            return run_engine(engine, prompts, max_news, capture)
+        finally:
+            stop.set()
+            busy.join()
+
+
+def busy_torch_loop(stop: threading.Event) -> None:
+    """What a trainer's reward or bookkeeping thread does next to the engine: small torch ops, no pause."""
+    a = torch.randn(64, 64)
+    while not stop.is_set():
+        (a @ a).sum().item()
 
 
 def decode_batch(core: EngineCore, bsz: int, ctx: int) -> ForwardBatch:
@@ -130,7 +148,7 @@ def engine_decode_overhead(model_path: str, bsz: int, prompt_len: int, new: int,
                                    max_running_requests=bsz))
     rng = random.Random(1)
     for i in range(bsz):
-        core.add_request(Req(rid=str(i), prompt_ids=[rng.randrange(3, 500) for _ in range(prompt_len)],
+        core.add_request(Req(uid=i, rid=str(i), prompt_ids=[rng.randrange(3, 500) for _ in range(prompt_len)],
                              params=SamplingParams(temperature=1.0, max_new_tokens=new, ignore_eos=True),
                              seed=i, return_routed_experts=capture, max_total_len=core.context_length))
     while core.scheduler.waiting:
@@ -177,9 +195,10 @@ def main(argv=None) -> None:
     # NOTE: every run in a fresh process, interleaved: one engine alive at a time (libgomp
     # throttles every OpenMP pool once more OpenMP threads exist than CPUs), each run from the
     # same process state, and the kinds side by side under the same background load.
-    t_off, t_on, t_hf = [], [], []
+    t_off, t_on, t_busy, t_hf = [], [], [], []
     useful = total
-    kinds = [("engine", t_off), ("engine_capture", t_on)] + ([] if args.skip_hf else [("hf", t_hf)])
+    kinds = [("engine", t_off), ("engine_capture", t_on), ("engine_busy_caller", t_busy)]
+    kinds += [] if args.skip_hf else [("hf", t_hf)]
     for _ in range(args.repeats):
         for kind, times in kinds:
             dt, tokens = in_fresh_process(kind, args.model_path, args.prompts, args.n)
@@ -192,6 +211,9 @@ def main(argv=None) -> None:
     res["engine_tok_s"], res["engine_capture_tok_s"] = tps_off, tps_on
     res["capture_on_off_ratio"] = tps_on / tps_off
     res["engine_runs_s"], res["engine_capture_runs_s"] = t_off, t_on
+    res["engine_busy_caller_tok_s"] = total / statistics.median(t_busy)
+    res["engine_busy_caller_runs_s"] = t_busy
+    res["busy_caller_ratio"] = res["engine_busy_caller_tok_s"] / tps_off
     if t_hf:
         res["hf_tok_s"] = useful / statistics.median(t_hf)
         res["hf_runs_s"] = t_hf
@@ -217,6 +239,8 @@ def main(argv=None) -> None:
     print("|---|---|---|")
     print(f"| engine, capture off | {tps_off:.0f} | 1.00 |")
     print(f"| engine, capture on (return_routed_experts) | {tps_on:.0f} | {tps_on / tps_off:.3f} (on/off) |")
+    print(f"| engine, a busy torch loop in the caller's thread | {res['engine_busy_caller_tok_s']:.0f} | "
+          f"{res['busy_caller_ratio']:.3f} (busy/quiet) |")
     if "hf_tok_s" in res:
         per = ", ".join(f"{x:.2f}" for x in res["engine_vs_hf_per_repeat"])
         print(f"| transformers generate (batched, truncated) | {res['hf_tok_s']:.0f} | "

@@ -190,7 +190,7 @@ def test_exact_ties_pick_lower_expert_id(tiny_checkpoint, tmp_path):
 
 def test_capture_off_rejects_and_costs_nothing(tiny_checkpoint):
     with Rollout(str(tiny_checkpoint("qwen3_moe")), tokenizer_path=DEFAULT_MODEL_PATH) as engine:
-        assert engine._core.capturer is None
+        assert engine.stats()["capture_buffer_bytes"] == 0
         with pytest.raises(ValueError, match="return_routed_experts"):
             engine.generate(input_ids=[[5, 6]], return_routed_experts=True)
         out = engine.generate(input_ids=[[5, 6]], sampling_params={"max_new_tokens": 2})[0]

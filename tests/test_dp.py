@@ -3,6 +3,7 @@ dp_size=1 and transformers, under uneven loads, mixed runners, abort/flush, and 
 import os
 import random
 import signal
+import threading
 import time
 
 import pytest
@@ -11,8 +12,17 @@ import torch
 from capture.gather_layout import GatherLayout
 from oracle import hf_router_topk, same_sets
 from rollout import EngineDeadError
+from rollout.config import DEFAULT_MODEL_PATH
 from rollout.runners import DECODE, EAGER, PREFILL
 from tiny_models import make_engine, random_prompts as prompts
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 GREEDY = {"temperature": 0.0, "max_new_tokens": 8, "ignore_eos": True}
 BUCKETS = dict(decode_graph_batch_sizes=(1, 2, 4), prefill_graph_token_sizes=(16, 32), chunked_prefill_size=48)
@@ -37,7 +47,7 @@ def assert_same(outs, ref, path=None):
 
 
 def layouts(engine) -> list[GatherLayout]:
-    per_rank = engine._call(lambda core: core.recent_layouts())
+    per_rank = engine.recent_layouts()
     assert all(r == per_rank[0] for r in per_rank), "DP ranks disagree on a step's runner or layout"
     return per_rank[0]
 
@@ -123,8 +133,7 @@ def test_dp3_mixed_runners_and_least_load_dispatch(qwen3, dp1):
         steps = layouts(engine)
         before = [r["prompt_tokens"] for r in engine.stats()["dp_ranks"]]
         outs_n = generate(engine, group, sampled)            # least load; each prompt's n stay together
-        owners = engine._call(lambda core: dict(core._owner))
-        assert owners == {}                                  # nothing left in flight
+        assert engine._client.loads() == [0, 0, 0]           # nothing left in flight
         engine.check_integrity()
         after = [r["prompt_tokens"] for r in engine.stats()["dp_ranks"]]
     assert_same(outs, generate(dp1, long_ + short, params), qwen3)
@@ -199,20 +208,128 @@ def test_abort_flush_and_integrity_reach_every_rank(qwen3):
 
 
 @pytest.mark.slow
-def test_crashed_worker_fails_waiters_and_stops_cleanly(qwen3):
+def test_killed_rank_under_load_returns_partials_and_stops_cleanly(qwen3):
+    """kill -9 of DP rank 1 mid-run: rank 0's requests come back as aborts with their exact partial
+    tokens and routing (the message names the dead rank), rank 1's raise EngineDeadError; all
+    within 5 s; no engine process is left behind."""
     engine = make_engine(qwen3, dp_size=2)
-    victim = engine._core._procs[1]
-    others = [p for p in engine._core._procs if p is not victim]
-    stream = engine.generate(input_ids=prompts(10, [5, 6]), sampling_params=dict(GREEDY, max_new_tokens=500),
-                             stream=True, routed_dp_rank=[0, 1])
+    victim, survivor = engine.engine_pids()[1], engine.engine_pids()[0]
+    items: dict = {}
+    ends: list = []
+    done = threading.Event()
+
+    def sink(item):
+        items.setdefault(getattr(item, "rid", "error"), []).append(item)
+        if isinstance(item, BaseException) or item.finished:
+            ends.append(item)
+            if len(ends) == 4:
+                done.set()
+
+    engine.submit(sink, input_ids=prompts(10, [5, 6, 7, 8]), sampling_params=dict(GREEDY, max_new_tokens=2000),
+                  rid=["a", "b", "c", "d"], routed_dp_rank=[0, 1, 0, 1], return_routed_experts=True, stream=True)
+    while len(items.get("a", [])) < 5 or len(items.get("b", [])) < 5:
+        time.sleep(0.01)
+    os.kill(victim, signal.SIGKILL)
     t0 = time.monotonic()
-    with pytest.raises(EngineDeadError, match="DP rank 1 exited with code -9"):
-        for i, _ in enumerate(stream):
-            if i == 4:
-                os.kill(victim.pid, signal.SIGKILL)
-                t0 = time.monotonic()
-    assert time.monotonic() - t0 < 60
-    with pytest.raises(EngineDeadError):
+    assert done.wait(5.0), items.keys()
+    assert time.monotonic() - t0 < 5.0
+    assert not engine.is_alive
+    for rid in ("a", "c"):                   # rank 0: partial outputs
+        out = items[rid][-1].output
+        assert out.finish_reason == "abort" and "DP rank 1 died" in out.finish_info["message"]
+        seq = out.prompt_ids + out.output_ids
+        assert 0 < len(out.output_ids) < 2000 and out.routed_experts.shape[0] == len(seq) - 1
+        want = hf_router_topk(qwen3, seq[:-1], out.routed_experts.shape[2], out.routed_experts.shape[1])
+        assert same_sets(out.routed_experts, want)
+    assert isinstance(items["error"][0], EngineDeadError) and len(items["error"]) == 2   # rank 1's b and d
+    with pytest.raises(EngineDeadError, match="DP rank 1"):
         engine.generate(input_ids=[[5, 6]])
     engine.shutdown()
-    assert not any(p.is_alive() for p in others)
+    deadline = time.monotonic() + 10
+    while pid_alive(survivor) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not pid_alive(survivor)
+
+
+@pytest.mark.slow
+def test_killed_idle_rank_is_noticed_at_once(qwen3):
+    engine = make_engine(qwen3, dp_size=2)
+    os.kill(engine.engine_pids()[0], signal.SIGKILL)
+    t0 = time.monotonic()
+    while engine.is_alive:
+        assert time.monotonic() - t0 < 5.0
+        time.sleep(0.01)
+    with pytest.raises(EngineDeadError, match="DP rank 0 died"):
+        engine.generate(input_ids=[[5, 6]])
+    engine.shutdown()
+
+
+def engine_ranks(parent_pid: int) -> dict[int, int]:
+    """rank -> pid of the engine processes a front end started (read from /proc)."""
+    out = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+        except OSError:
+            continue
+        if ppid == parent_pid and b"rollout.core.engine_proc" in argv:
+            out[int(argv[argv.index(b"rollout.core.engine_proc") + 2])] = int(entry)
+    return out
+
+
+@pytest.mark.slow
+def test_server_with_a_dead_rank_fails_health_and_exits_nonzero(qwen3):
+    """rollout-serve --dp-size 2, rank 1 killed under load: the in-flight requests are answered
+    (rank 0's as aborts with partial output, rank 1's with 503), /health fails, and the server
+    exits non-zero so that its supervisor restarts it: no process left answering 503."""
+    import httpx
+
+    from server_proc import ServerProcess
+
+    srv = ServerProcess(["--model-path", str(qwen3), "--tokenizer-path", DEFAULT_MODEL_PATH, "--dtype", "float32",
+                         "--dp-size", "2", "--enable-return-routed-experts"]).start()
+    try:
+        ranks = engine_ranks(srv._server.proc.pid)
+        assert sorted(ranks) == [0, 1]
+        results: list = []
+
+        def one(rank: int) -> None:
+            body = {"input_ids": [5, 6, 7], "routed_dp_rank": rank, "return_routed_experts": True,
+                    "sampling_params": dict(GREEDY, max_new_tokens=3000)}
+            r = httpx.post(srv.url + "/generate", json=body, timeout=60)
+            results.append((rank, r.status_code, r.json()))
+
+        threads = [threading.Thread(target=one, args=(r,)) for r in (0, 1, 0, 1)]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 60
+        while httpx.get(srv.url + "/v1/loads").json()["loads"][1]["num_running_reqs"] < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        time.sleep(0.5)
+        os.kill(ranks[1], signal.SIGKILL)
+        t0 = time.monotonic()
+        for t in threads:
+            t.join(10)
+        assert time.monotonic() - t0 < 5.0 and len(results) == 4
+        for rank, status, body in results:
+            if rank == 0:
+                meta = body["meta_info"]
+                assert status == 200 and meta["finish_reason"]["type"] == "abort"
+                assert "DP rank 1 died" in meta["finish_reason"]["message"] and meta["completion_tokens"] > 0
+            else:
+                assert status == 503, body
+        try:
+            assert httpx.get(srv.url + "/health", timeout=2).status_code != 200
+        except httpx.HTTPError:
+            pass   # already gone
+        srv._server.proc.wait(15)
+        assert srv._server.proc.returncode not in (0, None)
+        assert not any(pid_alive(p) for p in ranks.values() if p != ranks[1])
+    finally:
+        srv.stop()

@@ -48,7 +48,7 @@ def test_grpo_group_decode_matches_transformers(tiny_checkpoint, arch, monkeypat
     path = tiny_checkpoint(arch)
     long_prompts = prompts(3, [300, 150])
     loner = prompts(4, [20])[0]
-    with make_engine(path) as engine:
+    with make_engine(path, client="inproc") as engine:   # NOTE: the monkeypatch reaches only this process
         outs = engine.generate(input_ids=long_prompts + [loner],
                                sampling_params=[{**GREEDY, "n": 8, "max_new_tokens": 24}] * 2
                                + [{**GREEDY, "max_new_tokens": 24}], return_logprob=True)

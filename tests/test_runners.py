@@ -9,6 +9,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from core_driver import CoreDriver
 from capture.buffer_sizing import ForwardShapeLimits, capture_buffer_rows
 from capture.capturer import RoutedExpertsCapturer
 from capture.gather_layout import GatherLayout
@@ -60,7 +61,7 @@ def test_static_runners_match_eager_and_pad_only_into_sink(tiny_checkpoint):
     with make_engine(path, chunked_prefill_size=48) as engine:
         ref = [o for batch, params in rounds for o in engine.generate(
             input_ids=batch, sampling_params=params, return_logprob=True, return_routed_experts=True)]
-    with make_engine(path, **BUCKETS) as engine:
+    with make_engine(path, client="inproc", **BUCKETS) as engine:
         outs = [o for batch, params in rounds for o in engine.generate(
             input_ids=batch, sampling_params=params, return_logprob=True, return_routed_experts=True)]
         engine.check_integrity()
@@ -75,7 +76,7 @@ def test_static_runners_match_eager_and_pad_only_into_sink(tiny_checkpoint):
             return (k[high + 1:].abs().sum().item(), k[SINK_SLOT].abs().sum().item(),
                     [(lay.runner, lay.padded_extent) for lay in core.recent_layouts()])
 
-        untouched, sink, layouts = engine._call(kv_outside_allocated)
+        untouched, sink, layouts = engine.debug(kv_outside_allocated)
     assert_same_outputs(outs, ref)
     for out in outs:
         check_rows(path, out)
@@ -86,16 +87,13 @@ def test_static_runners_match_eager_and_pad_only_into_sink(tiny_checkpoint):
 
 
 def _run_core(core, batch, params):
-    outs = {}
+    driver = CoreDriver(core)
     for i, (ids, p) in enumerate(zip(batch, params)):
-        req = Req(rid=str(i), prompt_ids=ids, params=SamplingParams(**p), seed=i, return_logprob=True,
-                  return_routed_experts=True, max_total_len=core.context_length)
-        req.sink = lambda o: outs.__setitem__(o.rid, o)
-        core.add_request(req)
-    while core.has_work():
-        core.step()
+        driver.add(Req(uid=i, rid=str(i), prompt_ids=ids, params=SamplingParams(**p), seed=i, return_logprob=True,
+                       return_routed_experts=True, max_total_len=core.context_length))
+    driver.run()
     core.check_integrity()
-    return [outs[str(i)] for i in range(len(batch))]
+    return [driver.outputs[str(i)] for i in range(len(batch))]
 
 
 def test_static_attention_grid_matches_trimmed(tiny_checkpoint):
@@ -124,7 +122,7 @@ def test_cuda_graph_decode_matches_eager(tiny_checkpoint):
     with make_engine(path, device="cuda") as engine:
         ref = engine.generate(input_ids=batch, sampling_params=GREEDY, return_logprob=True, return_routed_experts=True)
     with make_engine(path, device="cuda", decode_graph_batch_sizes=(1, 2, 4)) as engine:
-        assert engine._call(lambda core: core.runner.runners[DECODE].backend.uses_graphs)
+        assert engine.runner_report()[0][DECODE]["uses_graphs"]
         outs = engine.generate(input_ids=batch, sampling_params=GREEDY, return_logprob=True, return_routed_experts=True)
         engine.check_integrity()
         assert engine.stats()["forwards_decode_graph"] > 0
@@ -142,8 +140,9 @@ def test_cuda_graph_prefill_pieces_match_eager(tiny_checkpoint):
         ref = engine.generate(input_ids=batch, sampling_params=GREEDY, return_logprob=True, return_routed_experts=True)
     with make_engine(path, device="cuda", prefill_graph_token_sizes=(16, 64), decode_graph_batch_sizes=(8,),
                      chunked_prefill_size=32) as engine:
-        graphs = engine._call(lambda core: {k: len(v) for k, v in core.runner.runners[PREFILL].backend.graphs.items()})
-        assert sorted(k[0] for k in graphs) == [16, 64] and set(graphs.values()) == {engine.info.num_hidden_layers + 1}
+        graphs = engine.runner_report()[0][PREFILL]["graphs"]
+        assert sorted(int(k.strip("(").split(",")[0]) for k in graphs) == [16, 64]
+        assert set(graphs.values()) == {engine.info.num_hidden_layers + 1}
         outs = engine.generate(input_ids=batch, sampling_params=GREEDY, return_logprob=True, return_routed_experts=True)
         engine.check_integrity()
         stats = engine.stats()

@@ -1,0 +1,1 @@
+"""The engine process: its loop over EngineCore and the commands it answers."""

@@ -1,0 +1,196 @@
+"""EngineLoop: drains the inbox between steps, steps the EngineCore, sends one StepOut per step.
+
+The loop never waits on the front end: it blocks only while it has nothing to do. Under DP
+attention every rank runs this loop and the ranks agree each iteration (one small all-reduce of
+[has work, stop]) whether to step, so collectives inside the forward line up; an idle rank runs
+an empty forward.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Callable, Optional, Protocol
+
+import numpy as np
+import torch
+
+from rollout.engine_core import EngineCore
+from rollout.ipc.messages import AbortReqs, AddReqs, Call, FromEngine, Reply, ReqSpec, Shutdown, StepOut, ToEngine
+from rollout.request import Req
+from rollout.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineEndpoint(Protocol):
+    def recv(self, timeout: float) -> list[ToEngine]:
+        """Every message waiting; blocks up to timeout seconds for the first one."""
+
+    def send(self, msg: FromEngine) -> None:
+        ...
+
+
+def req_from_spec(spec: ReqSpec) -> Req:
+    return Req(uid=spec.uid, rid=spec.rid, prompt_ids=np.frombuffer(spec.prompt_ids, dtype=np.int32).tolist(),
+               params=SamplingParams(**spec.params), seed=spec.seed, return_logprob=spec.return_logprob,
+               top_logprobs_num=spec.top_logprobs_num, return_routed_experts=spec.return_routed_experts,
+               routed_experts_start_len=spec.routed_experts_start_len, emit_interval=spec.emit_interval,
+               max_total_len=spec.max_total_len, routed_dp_rank=spec.routed_dp_rank)
+
+
+def tensors_to_wire(staged: dict[str, torch.Tensor]) -> list[list[Any]]:
+    """HF-named tensors as [name, dtype, shape, raw bytes] (no pickles on the wire)."""
+    out = []
+    for name, t in staged.items():
+        t = t.detach().to("cpu").contiguous()
+        out.append([name, str(t.dtype).removeprefix("torch."), list(t.shape), t.view(torch.uint8).numpy().tobytes()])
+    return out
+
+
+def tensors_from_wire(items: list[list[Any]]) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, dtype, shape, data in items:
+        raw = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        out[name] = raw.view(getattr(torch, dtype)).reshape(shape)
+    return out
+
+
+class EngineCommands:
+    """The control commands a Call may name; each runs between steps and returns msgpack-able data."""
+
+    def __init__(self, core: EngineCore):
+        self.core = core
+
+    def abort_all(self, message: str = "aborted by request") -> int:
+        return self.core.abort_all(message)
+
+    def flush_cache(self) -> bool:
+        return self.core.flush_cache()
+
+    def check_integrity(self) -> bool:
+        self.core.check_integrity()
+        return True
+
+    def stats_report(self) -> dict:
+        return self.core.stats_report()
+
+    def load_report(self) -> list[dict]:
+        return self.core.load_report()
+
+    def recent_layouts(self) -> list[list]:
+        return [[lay.runner, list(lay.token_counts), lay.padded_extent] for lay in self.core.recent_layouts()]
+
+    def runner_report(self) -> dict:
+        """What the static-shape runners captured (tests and debugging)."""
+        return self.core.runner.report()
+
+    def pause(self, mode: str) -> int:
+        return self.core.pause(mode)
+
+    def resume(self) -> bool:
+        return self.core.resume()
+
+    def retract_running(self) -> int:
+        return self.core.retract_running()
+
+    def hold_admission(self) -> bool:
+        self.core.hold_admission()
+        return True
+
+    def release_admission(self) -> bool:
+        self.core.release_admission()
+        return True
+
+    def try_swap_weights(self, staged: list[list[Any]], weight_version: Optional[str]) -> Optional[int]:
+        return self.core.try_swap_weights(tensors_from_wire(staged), weight_version)
+
+    def weight_version(self) -> str:
+        return self.core.weight_version
+
+
+COMMANDS = frozenset(name for name in vars(EngineCommands) if not name.startswith("_"))
+
+
+class StepSync:
+    """DP: every rank learns each iteration whether any rank has work or wants to stop."""
+
+    def __init__(self, device: torch.device):
+        self._flags = torch.zeros(2, dtype=torch.int32, device=device)
+
+    def agree(self, has_work: bool, stop: bool) -> tuple[bool, bool]:
+        import torch.distributed as dist  # noqa: PLC0415
+
+        self._flags[0], self._flags[1] = int(has_work), int(stop)
+        dist.all_reduce(self._flags, op=dist.ReduceOp.MAX)
+        work, stop_all = self._flags.tolist()
+        return bool(work), bool(stop_all)
+
+
+class EngineLoop:
+    IDLE_WAIT_S = 0.5         # single rank: how long an idle loop blocks on its inbox at a time
+    DP_IDLE_WAIT_S = 0.005    # DP: idle ranks meet this often (a new request waits at most this)
+
+    def __init__(self, core: EngineCore, endpoint: EngineEndpoint, *, sync: Optional[StepSync] = None,
+                 alive: Callable[[], bool] = lambda: True):
+        self.core = core
+        self.endpoint = endpoint
+        self.sync = sync
+        self.alive = alive     # False once the front end is gone (the loop then exits)
+        self.commands = EngineCommands(core)
+        self.stopping = False
+        self.last_step_time = time.time()
+
+    def _handle(self, msg: ToEngine, replies: list[Reply]) -> None:
+        if isinstance(msg, AddReqs):
+            for spec in msg.reqs:
+                self.core.add_request(req_from_spec(spec))
+        elif isinstance(msg, AbortReqs):
+            for uid in msg.uids:
+                self.core.abort(uid, msg.message)
+        elif isinstance(msg, Call):
+            replies.append(self._call(msg))
+        elif isinstance(msg, Shutdown):
+            self.stopping = True
+        else:
+            raise AssertionError(f"unknown message {type(msg).__name__}")
+
+    def _call(self, msg: Call) -> Reply:
+        if msg.method not in COMMANDS:
+            return Reply(call_id=msg.call_id, error=f"unknown engine command {msg.method!r}", error_type="ValueError")
+        try:
+            return Reply(call_id=msg.call_id, result=getattr(self.commands, msg.method)(*msg.args))
+        except Exception as exc:  # noqa: BLE001 (a command's error goes back to its caller)
+            if not isinstance(exc, ValueError):
+                logger.exception("engine command %s failed", msg.method)
+            return Reply(call_id=msg.call_id, error=str(exc), error_type=type(exc).__name__)
+
+    def run(self) -> None:
+        core, sync = self.core, self.sync
+        while True:
+            work = core.has_work()
+            if sync is None:
+                wait = 0.0 if work else self.IDLE_WAIT_S
+            else:
+                wait = 0.0 if work else self.DP_IDLE_WAIT_S
+            replies: list[Reply] = []
+            for msg in self.endpoint.recv(wait):
+                self._handle(msg, replies)
+            work = core.has_work()
+            if sync is not None:
+                work, stop = sync.agree(work, self.stopping)
+                self.stopping = self.stopping or stop
+            if self.stopping:
+                self._send(replies)
+                return
+            if work:
+                core.step()
+                self.last_step_time = time.time()
+            self._send(replies)
+            if sync is None and not work and not self.alive():
+                return
+
+    def _send(self, replies: list[Reply]) -> None:
+        updates = self.core.take_updates()
+        if updates or replies:
+            self.endpoint.send(StepOut(updates=updates, replies=replies, has_work=self.core.has_work(),
+                                       step_time=self.last_step_time))

@@ -1,0 +1,48 @@
+"""AsyncGeneration: what Rollout.async_generate returns (await it, or iterate it)."""
+from __future__ import annotations
+
+import asyncio
+from typing import Any, AsyncIterator, Callable, Union
+
+from rollout.output import RolloutOutput
+from rollout.stream_chunk import StreamChunk
+
+
+class AsyncGeneration:
+    """`await` it for the list of outputs, or `async for` over it for chunks (stream) / outputs."""
+
+    def __init__(self, start: Callable[[Callable[[Any], None]], list[str]], stream: bool):
+        self._start = start
+        self._stream = stream
+
+    def __await__(self):
+        return self._collect().__await__()
+
+    async def _collect(self) -> list[RolloutOutput]:
+        finals: dict[str, RolloutOutput] = {}
+        order: list[str] = []
+        async for item in self._iterate(final_only=True, order_out=order):
+            finals[item.rid] = item
+        return [finals[rid] for rid in order]
+
+    def __aiter__(self) -> AsyncIterator[Union[StreamChunk, RolloutOutput]]:
+        return self._iterate(final_only=not self._stream, order_out=[])
+
+    async def _iterate(self, final_only: bool, order_out: list[str]):
+        loop = asyncio.get_running_loop()
+        q: asyncio.Queue = asyncio.Queue()
+        rids = self._start(lambda item: loop.call_soon_threadsafe(q.put_nowait, item))
+        order_out.extend(rids)
+        pending = set(rids)
+        while pending:
+            item = await q.get()
+            if isinstance(item, BaseException):
+                raise item
+            done = isinstance(item, RolloutOutput) or item.finished
+            if done:
+                pending.discard(item.rid)
+            if isinstance(item, StreamChunk) and final_only:
+                if item.finished:
+                    yield item.output
+                continue
+            yield item

@@ -1,0 +1,59 @@
+"""EngineClient: how the front end drives an engine (a process, DP ranks, or a thread for tests)."""
+from __future__ import annotations
+
+from typing import Any, Callable, Optional, Protocol
+
+from rollout.ipc.messages import ReqSpec, ReqUpdate
+
+
+class EngineDeadError(RuntimeError):
+    """The engine stopped (crashed, was killed, or shut down); every pending request receives this."""
+
+
+UpdatesCallback = Callable[[list[ReqUpdate]], None]
+DeadCallback = Callable[[str], None]
+
+
+class EngineClient(Protocol):
+    dp_size: int
+    kv_capacity: int            # KV slots per rank: a request's prompt + max_new_tokens must fit
+    context_length: int
+
+    def add(self, specs: list[ReqSpec]) -> None:
+        """Queues one prompt's requests (its n samples stay together on one rank)."""
+
+    def abort(self, uids: list[int], message: str = "aborted by request") -> None:
+        """Aborts without waiting; unknown or finished uids are ignored."""
+
+    def call(self, method: str, *args: Any) -> list[Any]:
+        """Runs an engine command (rollout/core/engine_loop.py: EngineCommands) on every rank between
+        steps; the per-rank results. A ValueError raised there is raised here."""
+
+    @property
+    def dead_reason(self) -> Optional[str]:
+        """Why the engine is dead, or None while it lives."""
+
+    @property
+    def last_step_time(self) -> float:
+        """time.time() of the latest finished step (any rank)."""
+
+    @property
+    def busy(self) -> bool:
+        """Whether any rank reported work after its latest step."""
+
+    def pids(self) -> list[int]:
+        """The engine processes' pids (empty for an in-process engine)."""
+
+    def close(self) -> None:
+        """Stops the engine; idempotent."""
+
+
+def raise_reply(error: Optional[str], error_type: Optional[str]) -> None:
+    """Re-raises an engine command's error in the caller (ValueError stays ValueError)."""
+    if error is None:
+        return
+    if error_type == "ValueError":
+        raise ValueError(error)
+    if error_type == "EngineDeadError":
+        raise EngineDeadError(error)
+    raise RuntimeError(f"{error_type}: {error}")

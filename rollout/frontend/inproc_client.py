@@ -1,0 +1,166 @@
+"""InprocClient: the engine loop on a thread of this process (tests and debugging).
+
+The same EngineLoop and messages as an engine process, without serialization; `debug(fn)` runs
+fn(core) on the engine thread between steps. On CPU, keep heavy torch work out of other threads
+of this process: libgomp throttles every OpenMP pool once more OpenMP threads exist than CPUs.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+import time
+from concurrent.futures import Future
+from typing import Any, Callable, Optional
+
+from rollout.config import EngineConfig
+from rollout.core.engine_loop import EngineLoop
+from rollout.engine_core import EngineCore
+from rollout.frontend.engine_client import DeadCallback, EngineDeadError, UpdatesCallback, raise_reply
+from rollout.ipc.messages import AbortReqs, AddReqs, Call, FromEngine, ReqSpec, Shutdown, StepOut, ToEngine
+
+
+class _QueueEndpoint:
+    def __init__(self, client: "InprocClient"):
+        self.inbox: "queue.Queue[Any]" = queue.Queue()
+        self.client = client
+
+    def recv(self, timeout: float) -> list[ToEngine]:
+        out = []
+        try:
+            out.append(self.inbox.get(timeout=timeout) if timeout > 0 else self.inbox.get_nowait())
+            while True:
+                out.append(self.inbox.get_nowait())
+        except queue.Empty:
+            pass
+        debug = [m for m in out if callable(m)]
+        for fn in debug:
+            fn()
+        return [m for m in out if not callable(m)]
+
+    def send(self, msg: FromEngine) -> None:
+        self.client._absorb(msg)
+
+
+class InprocClient:
+    def __init__(self, cfg: EngineConfig, on_updates: UpdatesCallback, on_dead: DeadCallback):
+        if cfg.dp_size > 1:
+            raise ValueError(f"dp_size={cfg.dp_size}: the in-process client runs one rank; use the process client")
+        self.dp_size = 1
+        self._on_updates = on_updates
+        self._on_dead = on_dead
+        self._dead: Optional[str] = None
+        self._calls: dict[int, Future] = {}
+        self._call_ids = itertools.count(1)
+        self._busy = False
+        self._step_time = time.time()
+        self._endpoint = _QueueEndpoint(self)
+        ready: Future = Future()
+        self._thread = threading.Thread(target=self._run, args=(cfg, ready), name="rollout-engine", daemon=True)
+        self._thread.start()
+        self.core: EngineCore = ready.result()  # NOTE: the engine is built on its thread (see the module doc)
+        self.kv_capacity = self.core.kv_capacity
+        self.context_length = self.core.context_length
+
+    def _run(self, cfg: EngineConfig, ready: Future) -> None:
+        try:
+            core = EngineCore(cfg)
+        except BaseException as exc:  # noqa: BLE001 (raised in the caller by ready.result())
+            ready.set_exception(exc)
+            return
+        ready.set_result(core)
+        loop = EngineLoop(core, self._endpoint)
+        try:
+            loop.run()
+        except BaseException as exc:  # noqa: BLE001
+            logging.getLogger(__name__).exception("engine thread failed")
+            self._die(f"engine thread failed: {exc!r}")
+            return
+        self._die("engine is shut down")
+
+    def _absorb(self, msg: StepOut) -> None:
+        self._busy = msg.has_work
+        self._step_time = msg.step_time
+        if msg.updates:
+            self._on_updates(msg.updates)
+        for reply in msg.replies:
+            fut = self._calls.pop(reply.call_id, None)
+            if fut is None:
+                continue
+            try:
+                raise_reply(reply.error, reply.error_type)
+                fut.set_result(reply.result)
+            except Exception as exc:  # noqa: BLE001
+                fut.set_exception(exc)
+
+    def _die(self, reason: str) -> None:
+        if self._dead is None:
+            self._dead = reason
+        for fut in list(self._calls.values()):
+            if not fut.done():
+                fut.set_exception(EngineDeadError(self._dead))
+        self._calls.clear()
+        self._on_dead(self._dead)
+
+    @property
+    def dead_reason(self) -> Optional[str]:
+        return self._dead
+
+    @property
+    def last_step_time(self) -> float:
+        return self._step_time
+
+    @property
+    def busy(self) -> bool:
+        return self._busy
+
+    def pids(self) -> list[int]:
+        return []
+
+    def _check(self) -> None:
+        if self._dead is not None:
+            raise EngineDeadError(self._dead)
+
+    def add(self, specs: list[ReqSpec]) -> None:
+        self._check()
+        self._busy = True
+        self._endpoint.inbox.put(AddReqs(specs))
+
+    def abort(self, uids: list[int], message: str = "aborted by request") -> None:
+        if self._dead is None and uids:
+            self._endpoint.inbox.put(AbortReqs(list(uids), message))
+
+    def _wait(self, fut: Future) -> Any:
+        while True:
+            try:
+                return fut.result(timeout=0.5)
+            except TimeoutError:
+                self._check()
+
+    def call(self, method: str, *args: Any) -> list[Any]:
+        self._check()
+        call_id = next(self._call_ids)
+        fut: Future = Future()
+        self._calls[call_id] = fut
+        self._endpoint.inbox.put(Call(call_id, method, list(args)))
+        return [self._wait(fut)]
+
+    def debug(self, fn: Callable[[EngineCore], Any]) -> Any:
+        """fn(core) on the engine thread between steps (tests and debugging only)."""
+        self._check()
+        fut: Future = Future()
+
+        def run() -> None:
+            try:
+                fut.set_result(fn(self.core))
+            except BaseException as exc:  # noqa: BLE001
+                fut.set_exception(exc)
+
+        self._endpoint.inbox.put(run)
+        return self._wait(fut)
+
+    def close(self) -> None:
+        if self._thread.is_alive():
+            self._endpoint.inbox.put(Shutdown())
+            self._thread.join(timeout=30)

@@ -1,0 +1,154 @@
+"""RequestBuilder: validates a generate call and turns it into engine specs and front-end states.
+
+Everything is checked here, in the caller's thread, before anything is queued: SamplingParams
+name the field and the range in every ValueError; prompts are checked against the vocabulary,
+the context length and the KV pool (a request that could never fit alone is refused, so it can
+never wedge the scheduler). Each prompt becomes n requests, one uid each; sample k's seed derives
+from the prompt's.
+"""
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import random
+import uuid
+from typing import Any, Optional, Sequence, Union
+
+import numpy as np
+
+from rollout.config import EngineConfig
+from rollout.frontend.request_state import RequestState, RoutingShape
+from rollout.ipc.messages import ReqSpec
+from rollout.sampling_params import SamplingParams
+from rollout.tokenizer import Tokenizer
+
+MAX_TOP_LOGPROBS = 64
+ParamsArg = Union[None, dict, SamplingParams, Sequence[Union[dict, SamplingParams]]]
+
+
+def derive_seed(seed: int, index: int) -> int:
+    if index == 0:
+        return seed
+    x = (seed + index * 0x9E3779B97F4A7C15) & (2**64 - 1)
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & (2**64 - 1)
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & (2**64 - 1)
+    return (x ^ (x >> 31)) & (2**63 - 1)
+
+
+class RequestBuilder:
+    def __init__(self, *, config: EngineConfig, info: Any, tokenizer: Tokenizer, context_length: int,
+                 kv_capacity: int, routing: Optional[RoutingShape]):
+        self.config, self.info, self.tokenizer = config, info, tokenizer
+        self.context_length, self.kv_capacity, self.routing = context_length, kv_capacity, routing
+        self._rng = random.Random(config.seed)
+        self._uids = itertools.count(1)
+
+    def _decode(self, ids: list[int], skip_special_tokens: bool) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def _prompt_ids(self, prompts: Any, input_ids: Any) -> list[list[int]]:
+        if (prompts is None) == (input_ids is None):
+            raise ValueError("give exactly one of prompts (text) or input_ids (token ids)")
+        if prompts is not None:
+            if isinstance(prompts, str):
+                prompts = [prompts]
+            if not isinstance(prompts, (list, tuple)) or not all(isinstance(p, str) for p in prompts):
+                raise ValueError("prompts must be a string or a list of strings")
+            batch = [self.tokenizer.encode(p) for p in prompts]
+            name = "prompts"
+        else:
+            if isinstance(input_ids, (list, tuple)) and input_ids and all(isinstance(t, int) for t in input_ids):
+                input_ids = [input_ids]
+            if not isinstance(input_ids, (list, tuple)) or not all(isinstance(p, (list, tuple)) for p in input_ids):
+                raise ValueError("input_ids must be a list of token ids or a list of such lists")
+            batch = [list(p) for p in input_ids]
+            name = "input_ids"
+        if not batch:
+            raise ValueError(f"{name} must not be empty")
+        vocab = self.info.vocab_size
+        for i, ids in enumerate(batch):
+            if not ids:
+                raise ValueError(f"{name}[{i}] is empty: a prompt needs at least one token")
+            for t in ids:
+                if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
+                    raise ValueError(f"input_ids[{i}] holds {t!r}; token ids must be integers in [0, {vocab})")
+            if len(ids) >= self.context_length:
+                raise ValueError(f"{name}[{i}] has {len(ids)} tokens; the context limit is "
+                                 f"{self.context_length} (context_length), prompt must be shorter")
+        return batch
+
+    @staticmethod
+    def _per_prompt(name: str, value: Any, count: int, scalar_types: tuple) -> list:
+        if isinstance(value, (list, tuple)) and not isinstance(value, scalar_types):
+            if len(value) != count:
+                raise ValueError(f"{name} has {len(value)} entries for {count} prompts")
+            return list(value)
+        return [value] * count
+
+    def build(self, prompts: Any, input_ids: Any, sampling_params: ParamsArg, return_logprob: Any,
+               top_logprobs_num: Any, return_routed_experts: Any, routed_experts_start_len: Any, rid: Any,
+               stream: bool, routed_dp_rank: Any = None) -> list[list[tuple[ReqSpec, RequestState]]]:
+        batch = self._prompt_ids(prompts, input_ids)
+        n_prompts = len(batch)
+        if isinstance(sampling_params, (list, tuple)):
+            if len(sampling_params) != n_prompts:
+                raise ValueError(f"sampling_params has {len(sampling_params)} entries for {n_prompts} prompts")
+            params = [SamplingParams.from_any(p) for p in sampling_params]
+        else:
+            params = [SamplingParams.from_any(sampling_params)] * n_prompts
+        if not isinstance(return_logprob, bool):
+            raise ValueError(f"return_logprob must be a boolean, got {return_logprob!r}")
+        if isinstance(top_logprobs_num, bool) or not isinstance(top_logprobs_num, int) \
+                or not 0 <= top_logprobs_num <= min(MAX_TOP_LOGPROBS, self.info.vocab_size):
+            raise ValueError(f"top_logprobs_num must be an integer in [0, "
+                             f"{min(MAX_TOP_LOGPROBS, self.info.vocab_size)}], got {top_logprobs_num!r}")
+        if not isinstance(return_routed_experts, bool):
+            raise ValueError(f"return_routed_experts must be a boolean, got {return_routed_experts!r}")
+        if return_routed_experts and not self.config.enable_return_routed_experts:
+            raise ValueError("return_routed_experts=True needs an engine started with "
+                             "enable_return_routed_experts=True")
+        starts = self._per_prompt("routed_experts_start_len", routed_experts_start_len, n_prompts, ())
+        rids = self._per_prompt("rid", rid, n_prompts, (str,))
+        capacity = self.kv_capacity
+        dp_ranks = self._per_prompt("routed_dp_rank", routed_dp_rank, n_prompts, ())
+        groups: list[list[tuple[ReqSpec, RequestState]]] = []
+        seen: set[str] = set()
+        for ids, p, start, r, dp_rank in zip(batch, params, starts, rids, dp_ranks):
+            if dp_rank is not None and (isinstance(dp_rank, bool) or not isinstance(dp_rank, int)
+                                        or not 0 <= dp_rank < self.config.dp_size):
+                raise ValueError(f"routed_dp_rank must be None or an integer in [0, {self.config.dp_size}) "
+                                 f"(dp_size), got {dp_rank!r}")
+            p.check_vocab(self.info.vocab_size)
+            if isinstance(start, bool) or not isinstance(start, int) or not 0 <= start <= len(ids):
+                raise ValueError(f"routed_experts_start_len must be an integer in [0, {len(ids)}] "
+                                 f"(the prompt length), got {start!r}")
+            if len(ids) + p.max_new_tokens > capacity:
+                raise ValueError(f"max_new_tokens={p.max_new_tokens} with a {len(ids)}-token prompt needs more KV "
+                                 f"than the pool holds; prompt + max_new_tokens must be <= {capacity} (max_total_tokens)")
+            if r is not None and (not isinstance(r, str) or not r):
+                raise ValueError(f"rid must be a non-empty string, got {r!r}")
+            base_rid = r or uuid.uuid4().hex
+            seed = p.sampling_seed if p.sampling_seed is not None else self._rng.getrandbits(63)
+            engine_params = {f.name: getattr(p, f.name) for f in dataclasses.fields(p)}
+            engine_params["stop"] = ()   # NOTE: stop strings are the front end's (RequestState)
+            prompt = np.asarray(ids, dtype=np.int32).tobytes()
+            interval = p.stream_interval or self.config.stream_interval
+            group = []
+            for k in range(p.n):
+                child = base_rid if p.n == 1 else f"{base_rid}_{k}"
+                if child in seen:
+                    raise ValueError("rid values must be unique within a call")
+                seen.add(child)
+                st = RequestState(
+                    uid=next(self._uids), rid=child, group_rid=base_rid, prompt_ids=list(ids), params=p,
+                    stream=stream, stream_interval=interval, return_logprob=return_logprob,
+                    top_logprobs_num=top_logprobs_num, return_routed_experts=return_routed_experts,
+                    routed_experts_start_len=start, decode=self._decode, routing=self.routing)
+                spec = ReqSpec(uid=st.uid, rid=child, prompt_ids=prompt, params=engine_params,
+                               seed=derive_seed(seed, k), return_logprob=return_logprob,
+                               top_logprobs_num=top_logprobs_num, return_routed_experts=return_routed_experts,
+                               routed_experts_start_len=start, emit_interval=st.emit_interval,
+                               max_total_len=self.context_length, routed_dp_rank=dp_rank)
+                group.append((spec, st))
+            groups.append(group)
+        return groups

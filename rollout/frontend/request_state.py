@@ -1,0 +1,164 @@
+"""RequestState: the front end's side of one request (text, stop strings, what reached the caller).
+
+The engine sends ReqUpdates (raw token ids, logprobs, routing rows); this turns them into the
+StreamChunks and the RolloutOutput the caller sees. Stop strings are found here: on a hit the
+output is cut after the token that completed the string (its logprobs and routing rows with it)
+and the caller is told to abort the request in the engine.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import numpy as np
+import torch
+
+from rollout.detokenizer import IncrementalDetokenizer
+from rollout.ipc.messages import ReqUpdate, float_list, int_list
+from rollout.output import RolloutOutput
+from rollout.request import FinishReason
+from rollout.sampling_params import SamplingParams
+from rollout.stream_chunk import StreamChunk
+
+
+@dataclass(frozen=True)
+class RoutingShape:
+    num_layers: int
+    top_k: int
+    num_experts: int
+    moe_layer_ids: tuple[int, ...]
+
+
+class RequestState:
+    def __init__(self, *, uid: int, rid: str, group_rid: str, prompt_ids: list[int], params: SamplingParams,
+                 stream: bool, stream_interval: int, return_logprob: bool, top_logprobs_num: int,
+                 return_routed_experts: bool, routed_experts_start_len: int,
+                 decode: Callable[[list[int], bool], str], routing: Optional[RoutingShape]):
+        self.uid, self.rid, self.prompt_ids, self.params = uid, rid, prompt_ids, params
+        self.group_rid = group_rid           # the caller's rid (rid_k are its n > 1 samples)
+        self.stream, self.interval = stream, stream_interval
+        self.return_logprob, self.top_logprobs_num = return_logprob, top_logprobs_num
+        self.start_len = routed_experts_start_len
+        self.routing = routing if return_routed_experts else None
+        self.sink: Optional[Callable[[Any], None]] = None   # set when submitted
+        self._decode = decode
+        self.detok = IncrementalDetokenizer(lambda ids: decode(ids, params.skip_special_tokens)) \
+            if stream or params.stop else None
+        self._stop_window = max((len(s) for s in params.stop), default=0) + 16
+        self.output_ids: list[int] = []
+        self.logprobs: list[float] = []
+        self.top: list[list[tuple[float, int]]] = []
+        self.rows: list[np.ndarray] = []       # routing parts, [n, L, K] each
+        self.num_rows = 0
+        self.sent_tokens = 0
+        self.sent_text_len = 0
+        self.sent_rows = 0
+        self.done = False
+
+    @property
+    def emit_interval(self) -> int:
+        """How often the engine must send deltas: every token when stop strings are watched."""
+        if self.params.stop:
+            return 1
+        return self.interval if self.stream else 0
+
+    def apply(self, upd: ReqUpdate) -> tuple[list[Any], bool]:
+        """Items for the sink, and whether a stop string hit (the engine must abort the request)."""
+        assert not self.done, self.rid
+        new_ids = int_list(upd.output_ids)
+        lps = float_list(upd.logprobs) if upd.logprobs is not None else None
+        tops = None
+        if upd.top_n:
+            t_ids = np.frombuffer(upd.top_ids, dtype=np.int32).reshape(-1, upd.top_n).tolist()
+            t_lps = np.frombuffer(upd.top_logprobs, dtype=np.float32).reshape(-1, upd.top_n).tolist()
+            tops = [list(zip(a, b)) for a, b in zip(t_lps, t_ids)]
+        if upd.routing is not None and self.routing is not None:
+            r = self.routing
+            part = np.frombuffer(upd.routing, dtype=np.dtype(upd.routing_dtype)).reshape(-1, r.num_layers, r.top_k)
+            if part.shape[0]:
+                self.rows.append(part)
+                self.num_rows += part.shape[0]
+        hit: Optional[str] = None
+        for i, tok in enumerate(new_ids):
+            self.output_ids.append(tok)
+            if lps is not None:
+                self.logprobs.append(lps[i])
+            if tops is not None:
+                self.top.append(tops[i])
+            if self.params.stop and len(self.output_ids) >= self.params.min_new_tokens:
+                self.detok.step(self.output_ids)
+                window = self.detok.text[-self._stop_window:]
+                hit = next((s for s in self.params.stop if s in window), None)
+                if hit is not None:
+                    break
+        if hit is not None:
+            # NOTE: rows exist for positions < prompt + len(output) - 1 (the last token never went forward)
+            self._trim_rows(len(self.prompt_ids) + len(self.output_ids) - 1 - self.start_len)
+            reason = FinishReason("stop", matched=hit)
+            return self._finish(reason, upd), True
+        if upd.finished:
+            return self._finish(FinishReason(upd.finish_type, upd.finish_matched, upd.finish_message), upd), False
+        if self.stream and self.detok is not None and not self.params.stop:
+            self.detok.step(self.output_ids)
+        if self.stream and len(self.output_ids) - self.sent_tokens >= self.interval:
+            return [self._chunk(finished=False)], False
+        return [], False
+
+    def _trim_rows(self, keep: int) -> None:
+        if self.routing is None or self.num_rows <= keep:
+            return
+        rows = np.concatenate(self.rows)[:max(0, keep)]
+        self.rows, self.num_rows = [rows], rows.shape[0]
+
+    def _routing_tensor(self, lo: int) -> Optional[torch.Tensor]:
+        if self.routing is None:
+            return None
+        r = self.routing
+        rows = np.concatenate(self.rows)[lo:] if self.rows else np.empty((0, r.num_layers, r.top_k), np.int16)
+        return torch.from_numpy(rows.astype(np.int32))
+
+    def _finish(self, reason: FinishReason, upd: ReqUpdate) -> list[Any]:
+        self.done = True
+        text = self._decode(self.output_ids, self.params.skip_special_tokens)
+        if reason.type == "stop" and isinstance(reason.matched, str) and not self.params.no_stop_trim:
+            cut = text.find(reason.matched)
+            if cut >= 0:
+                text = text[:cut]
+        output = RolloutOutput(
+            rid=self.rid, prompt_ids=list(self.prompt_ids), output_ids=list(self.output_ids), text=text,
+            finish_reason=reason.type, finish_info=reason.to_dict(len(self.output_ids)),
+            output_logprobs=list(self.logprobs) if self.return_logprob else None,
+            output_top_logprobs=list(self.top) if self.top_logprobs_num else None,
+            cached_tokens=upd.cached_tokens, weight_version=upd.weight_version,
+            routed_experts=self._routing_tensor(0), routed_experts_start_len=self.start_len,
+            num_experts=self.routing.num_experts if self.routing else 0,
+            moe_layer_ids=self.routing.moe_layer_ids if self.routing else (), num_retractions=upd.num_retractions)
+        if self.stream:
+            return [self._chunk(finished=True, output=output)]
+        return [output]
+
+    def _chunk(self, *, finished: bool, output: Optional[RolloutOutput] = None) -> StreamChunk:
+        lo = self.sent_tokens
+        if output is not None:
+            # NOTE: the last chunk completes the full text (flushed bytes, stop-string trim)
+            full = output.text
+        else:
+            full = self.detok.text if self.detok is not None else ""
+        text = full[self.sent_text_len:] if len(full) >= self.sent_text_len else ""
+        self.sent_text_len = len(full)
+        routed = self._routing_tensor(self.sent_rows)
+        chunk = StreamChunk(
+            rid=self.rid, output_ids=self.output_ids[lo:], text=text,
+            output_logprobs=self.logprobs[lo:] if self.return_logprob else None,
+            output_top_logprobs=self.top[lo:] if self.top_logprobs_num else None,
+            routed_experts=routed, routed_experts_start=self.start_len + self.sent_rows,
+            finished=finished, output=output)
+        self.sent_tokens = len(self.output_ids)
+        self.sent_rows = self.num_rows
+        return chunk
+
+    def fail_output(self, message: str) -> RolloutOutput:
+        """What the request has, as an aborted output (its engine rank died)."""
+        upd = ReqUpdate(uid=self.uid)
+        (item,) = self._finish(FinishReason("abort", message=message), upd)
+        return item.output if isinstance(item, StreamChunk) else item

@@ -1,0 +1,1 @@
+"""Messages between the front end (Rollout, rollout-serve) and the engine process, and their transport."""
