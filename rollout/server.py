@@ -133,12 +133,11 @@ class Metrics:
                [(f'{{format="{f}"}}', v) for f, v in routing])
         metric("routed_experts_messages_total", "counter", "responses/chunks carrying routed experts, by format",
                [(f'{{format="{f}"}}', v) for f, v in msgs])
-        capturer = getattr(engine._core, "capturer", None)  # (DP: the capturers live in the ranks)
-        if capturer is not None:
+        if stats.get("capture_buffer_bytes"):   # (summed over DP ranks)
             metric("capture_host_store_bytes", "gauge", "routed-expert host store size",
-                   [("", capturer.store.nbytes)])
+                   [("", stats["capture_store_bytes"])])
             metric("capture_device_buffer_bytes", "gauge", "routed-expert device buffer size",
-                   [("", capturer.buffer.nbytes)])
+                   [("", stats["capture_buffer_bytes"])])
         return "\n".join(lines) + "\n"
 
 

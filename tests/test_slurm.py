@@ -237,3 +237,39 @@ def test_rollout_sbatch_sigkills_what_ignores_sigterm(slurm, tmp_path):
                                 ROLLOUT_STOP_TIMEOUT="3", ROLLOUT_CLIENT_CMD="true"))
     text = _finish(slurm, job, out)
     assert "SIGKILL" in text and "cleanup: done" in text, text
+
+
+@pytest.mark.slow
+def test_rollout_sbatch_restarts_a_server_whose_engine_died(slurm, tmp_path):
+    """kill -9 of a server's engine process: rollout-serve exits non-zero, its task starts it again
+    on the same port, and the URL in the server list serves again; scancel still stops everything."""
+    job_dir, out = tmp_path / "job", tmp_path / "rollout.out"
+    job = slurm.sbatch(str(ROOT / "scripts/slurm/rollout.sbatch"), "--nodes=1", f"--output={out}",
+                       cwd=str(ROOT), env=_env(job_dir))
+    servers_file = job_dir / "servers.txt"
+    deadline = time.monotonic() + JOB_TIMEOUT
+    while not servers_file.exists():
+        assert time.monotonic() < deadline, out.read_text() if out.exists() else "no output"
+        time.sleep(0.5)
+    (url,) = servers_file.read_text().split()
+    engines = [int(p.split(":", 1)[0]) for p in job_processes(job) if "rollout.core.engine_proc" in p]
+    assert len(engines) == 1, job_processes(job)
+    os.kill(engines[0], 9)
+    deadline = time.monotonic() + JOB_TIMEOUT
+    while "restart 1 on port" not in (job_dir / "server-0.log").read_text():
+        assert time.monotonic() < deadline, (job_dir / "server-0.log").read_text()
+        time.sleep(0.5)
+    while True:
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        assert time.monotonic() < deadline, (job_dir / "server-0.log").read_text()
+        time.sleep(0.5)
+    r = httpx.post(url + "/generate", json={"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 2}},
+                   timeout=60)
+    assert r.status_code == 200 and r.json()["meta_info"]["completion_tokens"] == 2
+    subprocess.run(["scancel", str(job)], check=True, env=slurm.env)
+    slurm.wait_job(job, JOB_TIMEOUT)
+    _assert_nothing_left(job)

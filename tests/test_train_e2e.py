@@ -250,9 +250,12 @@ def test_killing_one_of_two_servers_mid_rollout_loses_and_duplicates_nothing(tmp
     assert "at" in killed
     _check_steps(result, cfg)  # every step complete, no duplicates, versions in order
     assert result.history[1]["retried_samples"] > 0, "requests in flight on the killed server were retried"
-    assert [r["servers_alive"] for r in result.history] == [2] + [1] * (cfg.steps - 1)
-    dead = result.client_loads[servers.urls[0]]
-    assert dead["alive"] is False and dead["failures"] > 0
+    # NOTE: the supervisor restarts the killed server; it rejoins at a weight sync once it answers
+    # /health (every rollout's weight_version is checked against the trainer's by the loop)
+    alive = [r["servers_alive"] for r in result.history]
+    assert alive[0] == 2 and alive[1] in (1, 2), alive
+    assert servers.servers[0].restarts == 1
+    assert result.client_loads[servers.urls[0]]["failures"] > 0
 
 
 @pytest.mark.slow

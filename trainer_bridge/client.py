@@ -234,6 +234,13 @@ class RolloutClient:
                 s.alive, s.last_error = False, "no answer to /health"
         return self.alive_urls
 
+    async def recovered(self) -> list[str]:
+        """Dead servers that answer /health again (e.g. restarted by their supervisor). They stay
+        dead to this client until `revive` (after they got the current weights)."""
+        dead = [s for s in self.servers if not s.alive]
+        answers = await asyncio.gather(*(self._healthy(s) for s in dead))
+        return [s.url for s, ok in zip(dead, answers) if ok]
+
     def _server(self, url: str) -> ServerState:
         for s in self.servers:
             if s.url == url.rstrip("/"):

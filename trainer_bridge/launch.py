@@ -2,16 +2,20 @@
 
 ``LocalServers(n, flags)`` starts ``n`` servers concurrently (``--port 0``: each server binds a free
 port and prints it), waits for ``/health`` and stops them on ``close()`` (SIGTERM, then SIGKILL of
-the process group). Logs go to files under ``log_dir``.
+the process group). Logs go to files under ``log_dir``. It supervises them: a server that exits on
+its own (rollout-serve exits non-zero when its engine dies) is started again on the same port; the
+trainer's next weight sync gives it the current weights before the client sends it requests again.
 """
 from __future__ import annotations
 
+import logging
 import os
 import re
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Optional, Sequence
@@ -20,6 +24,7 @@ import httpx
 
 __all__ = ["LocalServer", "LocalServers"]
 
+logger = logging.getLogger(__name__)
 _LISTENING = re.compile(r"rollout-serve listening on (http://\S+)")
 _ROOT = Path(__file__).resolve().parent.parent
 
@@ -37,16 +42,18 @@ class LocalServer:
         self.url = ""
         self.proc: Optional[subprocess.Popen] = None
         self._log = None
+        self.restarts = 0
+        self.stopping = False
 
-    def spawn(self) -> None:
+    def spawn(self, port: int = 0) -> None:
         env = dict(os.environ)
         env["PYTHONPATH"] = str(_ROOT) + os.pathsep + env.get("PYTHONPATH", "")
         env.setdefault("TOKENIZERS_PARALLELISM", "false")
         env.setdefault("HF_HUB_OFFLINE", "1")
         env.setdefault("OMP_NUM_THREADS", "1")
         env.update(self.env or {})
-        self._log = open(self.log_path, "w")
-        cmd = _serve_command() + ["--host", "127.0.0.1", "--port", "0"] + self.flags
+        self._log = open(self.log_path, "a" if port else "w")
+        cmd = _serve_command() + ["--host", "127.0.0.1", "--port", str(port)] + self.flags
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, cwd=str(_ROOT), env=env,
                                      start_new_session=True)
 
@@ -74,6 +81,13 @@ class LocalServer:
         except httpx.HTTPError:
             return False
 
+    def restart(self) -> None:
+        """Starts an exited server again on the port it had (its URL stays valid)."""
+        if self._log is not None:
+            self._log.close()
+        self.restarts += 1
+        self.spawn(port=int(self.url.rsplit(":", 1)[1]))
+
     def kill(self) -> None:
         """SIGKILL the server (simulates a crash)."""
         if self.alive:
@@ -81,6 +95,7 @@ class LocalServer:
             self.proc.wait(10)
 
     def stop(self, timeout: float = 20.0) -> None:
+        self.stopping = True
         if self.proc is not None and self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
@@ -96,14 +111,19 @@ class LocalServer:
 class LocalServers:
     """``n`` local ``rollout-serve`` processes with the same ``flags``; ``.urls`` once started."""
 
+    SUPERVISE_INTERVAL_S = 0.5
+
     def __init__(self, n: int, flags: Sequence[str], *, log_dir: Optional[str] = None,
-                 startup_timeout: float = 300.0, env: Optional[dict] = None):
+                 startup_timeout: float = 300.0, env: Optional[dict] = None, supervise: bool = True):
         if n < 1:
             raise ValueError(f"need at least one server, got {n}")
         self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="rollout-servers-"))
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.servers = [LocalServer(flags, self.log_dir / f"server{i}.log", env=env) for i in range(n)]
         self.startup_timeout = startup_timeout
+        self.supervise = supervise
+        self._stop = threading.Event()
+        self._supervisor: Optional[threading.Thread] = None
 
     @property
     def urls(self) -> list[str]:
@@ -125,9 +145,24 @@ class LocalServers:
         except BaseException:
             self.close()
             raise
+        if self.supervise:
+            self._supervisor = threading.Thread(target=self._watch, name="rollout-servers-supervisor", daemon=True)
+            self._supervisor.start()
         return self
 
+    def _watch(self) -> None:
+        while not self._stop.wait(self.SUPERVISE_INTERVAL_S):
+            for s in self.servers:
+                if not s.stopping and s.proc is not None and s.proc.poll() is not None:
+                    code = s.proc.returncode
+                    s.restart()
+                    logger.warning("rollout-serve %s exited with %s; restarted it on the same port (restart %d)",
+                                   s.url, code, s.restarts)
+
     def close(self) -> None:
+        self._stop.set()
+        if self._supervisor is not None:
+            self._supervisor.join(timeout=5)
         for s in self.servers:
             s.stop()
 

@@ -86,12 +86,21 @@ class WeightSync:
         self.history: list[SyncResult] = []
 
     async def push(self, named: dict[str, torch.Tensor], version: str) -> SyncResult:
+        """Pushes to the live servers and to dead ones that answer /health again (restarted by
+        their supervisor): those rejoin (the client sends them requests again) only once they
+        hold these weights."""
         t0 = time.perf_counter()
-        urls = tuple(self.client.alive_urls)
+        back = tuple(await self.client.recovered())
+        urls = tuple(self.client.alive_urls) + back
         if not urls:
             raise RolloutError("weight sync: no live rollout server")
         try:
-            return self._result(await self._push(named, str(version), urls), urls, str(version), t0)
+            res = self._result(await self._push(named, str(version), urls), urls, str(version), t0)
+            for url in back:
+                logger.warning("rollout server %s is back (restarted); it has weight_version %s and takes "
+                               "requests again", url, version)
+                self.client.revive(url)
+            return res
         except (RolloutError, RuntimeError) as exc:
             # NOTE: a server that died after its last rollout (so the client never saw it fail)
             # breaks the push; the live ones keep their old weights: push again to them, once.

@@ -14,6 +14,7 @@
 : "${ROLLOUT_API_KEY:=}"                       # passed as --api-key when set
 : "${ROLLOUT_ADMIN_API_KEY:=}"                 # passed as --admin-api-key when set
 : "${ROLLOUT_HEALTH_TIMEOUT:=900}"             # seconds to wait for every /health
+: "${ROLLOUT_MAX_RESTARTS:=20}"                # times a server that exited on its own is restarted
 : "${ROLLOUT_STOP_TIMEOUT:=30}"                # seconds between SIGTERM and SIGKILL at cleanup
 : "${ROLLOUT_JOB_DIR:=${SLURM_SUBMIT_DIR:-$PWD}/rollout-job-${SLURM_JOB_ID:-local}}"   # logs + server list
 : "${ROLLOUT_SERVERS_FILE:=$ROLLOUT_JOB_DIR/servers.txt}"   # one http://node:port per line
@@ -104,18 +105,34 @@ rollout_start_servers() {
     [ -n "$ROLLOUT_API_KEY" ] && flags+=(--api-key "$ROLLOUT_API_KEY")
     [ -n "$ROLLOUT_ADMIN_API_KEY" ] && flags+=(--admin-api-key "$ROLLOUT_ADMIN_API_KEY")
     rollout_log "starting $ROLLOUT_SERVERS_PER_NODE server(s) per node on $nodelist: ${serve_cmd[*]} ${flags[*]}"
-    # Each task: pick its GPU slice (when asked), then exec the server so signals reach it directly.
+    # Each task: pick its GPU slice (when asked), then run the server; a server that exits on its
+    # own (rollout-serve exits non-zero when its engine dies) is started again on the port it had,
+    # so the trainer's server list stays valid. SIGTERM/SIGINT end the task (and its server).
     # shellcheck disable=SC2086
     srun $ROLLOUT_SRUN_ARGS --nodes="$nnodes" --nodelist="$nodelist" --ntasks-per-node="$ROLLOUT_SERVERS_PER_NODE" \
          --ntasks=$((nnodes * ROLLOUT_SERVERS_PER_NODE)) --overlap --kill-on-bad-exit=0 \
          --output="$ROLLOUT_JOB_DIR/server-%t.log" --error="$ROLLOUT_JOB_DIR/server-%t.log" \
+         env ROLLOUT_JOB_DIR="$ROLLOUT_JOB_DIR" ROLLOUT_MAX_RESTARTS="$ROLLOUT_MAX_RESTARTS" \
+             ROLLOUT_GPUS_PER_SERVER="${ROLLOUT_GPUS_PER_SERVER:-}" \
          bash -c 'if [ -n "$ROLLOUT_GPUS_PER_SERVER" ]; then
                       first=$((SLURM_LOCALID * ROLLOUT_GPUS_PER_SERVER))
                       CUDA_VISIBLE_DEVICES=$(seq -s, "$first" $((first + ROLLOUT_GPUS_PER_SERVER - 1)))
                       export CUDA_VISIBLE_DEVICES
                   fi
                   echo "rollout-task node=$SLURMD_NODENAME localid=$SLURM_LOCALID gpus=${CUDA_VISIBLE_DEVICES:-all}"
-                  exec "$@"' rollout-task "${serve_cmd[@]}" "${flags[@]}" &
+                  log="$ROLLOUT_JOB_DIR/server-${SLURM_PROCID:-0}.log"
+                  stop=0; trap "stop=1; kill -TERM \$child 2>/dev/null" TERM INT
+                  port=0; restarts=0
+                  while :; do
+                      "$@" --port "$port" & child=$!
+                      wait "$child"; rc=$?
+                      [ "$stop" = 1 ] && wait "$child" 2>/dev/null
+                      if [ "$stop" = 1 ] || [ "$rc" = 0 ] || [ "$restarts" -ge "$ROLLOUT_MAX_RESTARTS" ]; then exit "$rc"; fi
+                      port=$(sed -n "s/.*rollout-serve listening on http:.*:\([0-9][0-9]*\)$/\1/p" "$log" | tail -n 1)
+                      restarts=$((restarts + 1))
+                      echo "rollout-task: rollout-serve exited with $rc; restart $restarts on port ${port:=0}"
+                      sleep 1
+                  done' rollout-task "${serve_cmd[@]}" "${flags[@]}" &
     ROLLOUT_SERVER_STEP_PID=$!
     rollout_track "$ROLLOUT_SERVER_STEP_PID" srun
     ROLLOUT_EXPECTED_SERVERS=$((nnodes * ROLLOUT_SERVERS_PER_NODE))
