@@ -12,7 +12,7 @@ from rollout.config import EngineConfig
 from rollout.host_malloc import tune_glibc_malloc
 from rollout.kv_pool import KVPool
 from rollout.model_runner import ModelRunner
-from rollout.models.moe import FusedExperts
+from rollout.models.moe import FusedExperts, set_moe_backend
 from rollout.models.registry import load_model
 from rollout.output import RolloutOutput
 from rollout.radix_cache import RadixCache
@@ -44,6 +44,7 @@ class EngineCore:
         self.tokenizer = Tokenizer(cfg.resolved_tokenizer_path)
         self.model, _ = load_model(cfg.model_path, cfg.dtype, self.device,
                                    expert_shard=(ep_group.rank, ep_group.size) if ep_group is not None else None)
+        set_moe_backend(self.model, cfg.resolved_moe_backend)
         self.info = self.model.info
         experts = [m for m in self.model.modules() if isinstance(m, FusedExperts)]
         self._expert_report = {  # what this rank holds of the routed experts (expert parallel)

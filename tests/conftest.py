@@ -8,6 +8,11 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+# NOTE: without a GPU the Triton kernels run under Triton's interpreter; it must be chosen before
+# anything imports triton (torch does not at import). Subprocesses (DP workers, servers) inherit it.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 from tiny_models import tiny_checkpoint  # noqa: E402,F401  (session fixture)
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
