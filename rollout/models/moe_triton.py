@@ -27,16 +27,16 @@ def _w13_kernel(x_ptr, w_ptr, h_ptr, pairs_ptr, block_expert_ptr,
     expert = tl.load(block_expert_ptr + tl.program_id(0))
     if expert < 0:
         return
-    pair = tl.load(pairs_ptr + tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M))     # [M]
+    pair = tl.load(pairs_ptr + tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)                # [M]
     row_ok = pair < num_pairs
-    token = (pair // top_k).to(tl.int64)
-    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)                             # [N] rows of w13's halves
+    token = pair // top_k
+    n = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)  # [N] rows of w13's halves
     n_ok = n < inter
     w_base = w_ptr + expert.to(tl.int64) * stride_we
     acc_gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, hidden, BLOCK_K):
-        kk = k0 + tl.arange(0, BLOCK_K)
+        kk = k0 + tl.arange(0, BLOCK_K).to(tl.int64)
         k_ok = kk < hidden
         a = tl.load(x_ptr + token[:, None] * stride_x + kk[None, :], mask=row_ok[:, None] & k_ok[None, :],
                     other=0.0)                                                          # [M, K]
@@ -51,7 +51,7 @@ def _w13_kernel(x_ptr, w_ptr, h_ptr, pairs_ptr, block_expert_ptr,
             acc_gate = tl.dot(a, w_gate, acc_gate)
             acc_up = tl.dot(a, w_up, acc_up)
     h = acc_gate / (1.0 + tl.exp(-acc_gate)) * acc_up                                  # silu(gate) * up
-    tl.store(h_ptr + pair[:, None].to(tl.int64) * stride_h + n[None, :], h.to(h_ptr.dtype.element_ty),
+    tl.store(h_ptr + pair[:, None] * stride_h + n[None, :], h.to(h_ptr.dtype.element_ty),
              mask=row_ok[:, None] & n_ok[None, :])
 
 
@@ -63,17 +63,17 @@ def _w2_kernel(h_ptr, w_ptr, out_ptr, pairs_ptr, block_expert_ptr, weights_ptr,
     expert = tl.load(block_expert_ptr + tl.program_id(0))
     if expert < 0:
         return
-    pair = tl.load(pairs_ptr + tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M))     # [M]
+    pair = tl.load(pairs_ptr + tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)                # [M]
     row_ok = pair < num_pairs
-    token = (pair // top_k).to(tl.int64)
-    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)                             # [N] hidden columns
+    token = pair // top_k
+    n = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)  # [N] hidden columns
     n_ok = n < hidden
     w_base = w_ptr + expert.to(tl.int64) * stride_we
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, inter, BLOCK_K):
-        kk = k0 + tl.arange(0, BLOCK_K)
+        kk = k0 + tl.arange(0, BLOCK_K).to(tl.int64)
         k_ok = kk < inter
-        a = tl.load(h_ptr + pair[:, None].to(tl.int64) * stride_h + kk[None, :],
+        a = tl.load(h_ptr + pair[:, None] * stride_h + kk[None, :],
                     mask=row_ok[:, None] & k_ok[None, :], other=0.0)                    # [M, K]
         w = tl.load(w_base + n[None, :] * stride_wn + kk[:, None] * stride_wk,
                     mask=k_ok[:, None] & n_ok[None, :], other=0.0)                      # [K, N]
@@ -94,6 +94,14 @@ def _block_m(num_pairs: int, num_experts: int) -> int:
     return 16 if per_expert <= 16 else 32 if per_expert <= 48 else 64
 
 
+def _tile(device: torch.device, n: int, k: int, ieee: bool) -> tuple[int, int]:
+    """(BLOCK_N, BLOCK_K) for an output width n and a reduction length k."""
+    if device.type == "cpu":
+        # NOTE: the interpreter's cost is per op, not per element: whole rows in one step.
+        return min(256, max(16, triton.next_power_of_2(n))), min(256, max(16, triton.next_power_of_2(k)))
+    return min(64, max(16, triton.next_power_of_2(n))), 32 if ieee else 64
+
+
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, expert_lo: int) -> torch.Tensor:
     """x [N, H], w13 [E, 2I, H] (gate rows then up rows), w2 [E, H, I] for the global experts
@@ -111,15 +119,14 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     bm = blocks.block_m
     num_blocks = blocks.block_expert.numel()
     ieee = x.dtype == torch.float32
-    block_k = 32 if ieee else 64
     h = torch.empty((num_pairs, inter), dtype=x.dtype, device=x.device)             # [P, I] per pair
-    block_n = min(64, max(16, triton.next_power_of_2(inter)))
+    block_n, block_k = _tile(x.device, inter, hidden, ieee)
     _w13_kernel[(num_blocks, triton.cdiv(inter, block_n))](
         x, w13, h, blocks.pairs, blocks.block_expert, num_pairs, topk_ids.shape[1], hidden, inter,
         x.stride(0), w13.stride(0), w13.stride(1), w13.stride(2), h.stride(0),
         BLOCK_M=bm, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=ieee)
     out = torch.zeros((n, hidden), dtype=torch.float32, device=x.device)            # [N, H]
-    block_n = min(64, max(16, triton.next_power_of_2(hidden)))
+    block_n, block_k = _tile(x.device, hidden, inter, ieee)
     _w2_kernel[(num_blocks, triton.cdiv(hidden, block_n))](
         h, w2, out, blocks.pairs, blocks.block_expert, topk_weights.contiguous(), num_pairs, topk_ids.shape[1],
         hidden, inter, h.stride(0), w2.stride(0), w2.stride(1), w2.stride(2), out.stride(0),
