@@ -154,7 +154,9 @@ def test_gpu_fused_moe_inside_cuda_graph():
         torch.cuda.set_sync_debug_mode("default")
     for seed in range(1, 4):
         x2, w2, ids2 = routed(48, 256, 32, 4, seed=seed, device="cuda", dtype=torch.bfloat16)
-        x.copy_(x2), w.copy_(w2), ids.copy_(ids2)
+        x.copy_(x2)
+        w.copy_(w2)
+        ids.copy_(ids2)
         graph.replay()
         ref = m(x, w, ids, impl="loop").float()
         assert (out.float() - ref).abs().max().item() <= BF16_TOL * (1 + ref.abs().max().item())
