@@ -20,6 +20,22 @@ from rollout.models.moe_align import ExpertBlocks
 
 
 @triton.jit
+def _block_rows(pairs_ptr, num_pairs, top_k, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """This program's block: its pairs [M] (token * top_k + k), which are real (not padding), their
+    tokens, and its output columns [N]."""
+    pair = tl.load(pairs_ptr + tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    n = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    return pair, pair < num_pairs, pair // top_k, n
+
+
+@triton.jit
+def _dot(a, b, acc, IEEE: tl.constexpr):
+    if IEEE:
+        return tl.dot(a, b, acc, input_precision="ieee")
+    return tl.dot(a, b, acc)
+
+
+@triton.jit
 def _w13_kernel(x_ptr, w_ptr, h_ptr, pairs_ptr, block_expert_ptr,
                 num_pairs, top_k, hidden, inter,
                 stride_x, stride_we, stride_wn, stride_wk, stride_h,
@@ -27,10 +43,7 @@ def _w13_kernel(x_ptr, w_ptr, h_ptr, pairs_ptr, block_expert_ptr,
     expert = tl.load(block_expert_ptr + tl.program_id(0))
     if expert < 0:
         return
-    pair = tl.load(pairs_ptr + tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)                # [M]
-    row_ok = pair < num_pairs
-    token = pair // top_k
-    n = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)  # [N] rows of w13's halves
+    pair, row_ok, token, n = _block_rows(pairs_ptr, num_pairs, top_k, BLOCK_M, BLOCK_N)   # n: rows of w13's halves
     n_ok = n < inter
     w_base = w_ptr + expert.to(tl.int64) * stride_we
     acc_gate = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
@@ -44,12 +57,8 @@ def _w13_kernel(x_ptr, w_ptr, h_ptr, pairs_ptr, block_expert_ptr,
         w_gate = tl.load(w_base + n[None, :] * stride_wn + kk[:, None] * stride_wk, mask=w_mask, other=0.0)
         w_up = tl.load(w_base + (n + inter)[None, :] * stride_wn + kk[:, None] * stride_wk, mask=w_mask,
                        other=0.0)                                                       # [K, N]
-        if IEEE:
-            acc_gate = tl.dot(a, w_gate, acc_gate, input_precision="ieee")
-            acc_up = tl.dot(a, w_up, acc_up, input_precision="ieee")
-        else:
-            acc_gate = tl.dot(a, w_gate, acc_gate)
-            acc_up = tl.dot(a, w_up, acc_up)
+        acc_gate = _dot(a, w_gate, acc_gate, IEEE)
+        acc_up = _dot(a, w_up, acc_up, IEEE)
     h = acc_gate / (1.0 + tl.exp(-acc_gate)) * acc_up                                  # silu(gate) * up
     tl.store(h_ptr + pair[:, None] * stride_h + n[None, :], h.to(h_ptr.dtype.element_ty),
              mask=row_ok[:, None] & n_ok[None, :])
@@ -63,10 +72,7 @@ def _w2_kernel(h_ptr, w_ptr, out_ptr, pairs_ptr, block_expert_ptr, weights_ptr,
     expert = tl.load(block_expert_ptr + tl.program_id(0))
     if expert < 0:
         return
-    pair = tl.load(pairs_ptr + tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)                # [M]
-    row_ok = pair < num_pairs
-    token = pair // top_k
-    n = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)  # [N] hidden columns
+    pair, row_ok, token, n = _block_rows(pairs_ptr, num_pairs, top_k, BLOCK_M, BLOCK_N)   # n: hidden columns
     n_ok = n < hidden
     w_base = w_ptr + expert.to(tl.int64) * stride_we
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
@@ -77,10 +83,7 @@ def _w2_kernel(h_ptr, w_ptr, out_ptr, pairs_ptr, block_expert_ptr, weights_ptr,
                     mask=row_ok[:, None] & k_ok[None, :], other=0.0)                    # [M, K]
         w = tl.load(w_base + n[None, :] * stride_wn + kk[:, None] * stride_wk,
                     mask=k_ok[:, None] & n_ok[None, :], other=0.0)                      # [K, N]
-        if IEEE:
-            acc = tl.dot(a, w, acc, input_precision="ieee")
-        else:
-            acc = tl.dot(a, w, acc)
+        acc = _dot(a, w, acc, IEEE)
     weight = tl.load(weights_ptr + pair, mask=row_ok, other=0.0).to(tl.float32)        # [M]
     # NOTE: the k pairs of one token sit in different blocks: atomic adds, so on a GPU the order of
     # the (at most top_k) fp32 additions per element varies from run to run (as torch's index_add_).
