@@ -4,7 +4,7 @@ prefix-cache hits and DP attention; the setting is validated and reaches the ser
 
 Without a GPU the kernels run under Triton's interpreter (tests/conftest.py), on the embedded model.
 """
-import os
+import importlib.util
 
 import pytest
 import torch
@@ -27,7 +27,8 @@ def test_moe_backend_is_validated_and_resolved_by_device():
     assert MOE_BACKENDS == ("torch", "triton")
     assert EngineConfig().resolved_moe_backend == "torch"
     assert EngineConfig(moe_backend="triton").resolved_moe_backend == "triton"
-    assert EngineConfig(device="cuda").resolved_moe_backend == "triton"      # triton is installed here
+    on_cuda = "triton" if importlib.util.find_spec("triton") is not None else "torch"
+    assert EngineConfig(device="cuda").resolved_moe_backend == on_cuda
     assert EngineConfig(device="cuda", moe_backend="torch").resolved_moe_backend == "torch"
 
 
@@ -76,6 +77,7 @@ def torch_outputs():
     return batch, first, second
 
 
+@pytest.mark.interpreter
 def test_triton_engine_matches_torch(torch_outputs):
     """Greedy tokens, logprobs and every routing row as the torch backend: first pass (chunked
     prefill, prompt 4 reuses prompt 3's prefix), then again from the prefix cache."""
@@ -94,12 +96,12 @@ def test_triton_engine_matches_torch(torch_outputs):
     assert rows.shape == (44 + 5 - 1, 4, 4) and (rows >= 0).all() and (rows < 16).all()
 
 
+@pytest.mark.interpreter
 @pytest.mark.slow
 def test_triton_engine_dp2_matches_torch(torch_outputs):
     """DP attention over 2 worker processes: each rank's fused MoE computes its 8 of the 16 experts
     for both ranks' tokens; outputs and routing as the torch backend on one rank."""
     batch, first_ref, _ = torch_outputs
-    assert os.environ.get("TRITON_INTERPRET") == "1" or torch.cuda.is_available()
     with Rollout(moe_backend="triton", dp_size=2, **ENGINE) as engine:
         outs = _run(engine, batch)
         engine.check_integrity()

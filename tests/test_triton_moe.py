@@ -69,6 +69,7 @@ def test_expert_blocks_align_every_held_pair_once(n, num_experts, top_k, block_m
     assert used.unique().numel() == len({int(flat[p]) for p in held})   # each used expert's rows padded to blocks
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("n,hidden,inter,num_experts,top_k", [
     (1, 40, 20, 7, 3), (5, 48, 24, 6, 2), (33, 64, 32, 16, 4), (70, 32, 40, 12, 8), (3, 24, 16, 8, 8)])
 def test_fused_moe_matches_torch(n, hidden, inter, num_experts, top_k):
@@ -78,6 +79,7 @@ def test_fused_moe_matches_torch(n, hidden, inter, num_experts, top_k):
     assert_close_fp32(m(x, w, ids, impl="triton"), m(x, w, ids, impl="loop"))
 
 
+@pytest.mark.interpreter
 def test_fused_moe_empty_batch_and_no_experts_held():
     m = experts(16, 16, 4, seed=0)
     x, w, ids = routed(0, 16, 4, 2, seed=0)
@@ -86,6 +88,7 @@ def test_fused_moe_empty_batch_and_no_experts_held():
     assert torch.equal(m(x, w, ids, experts=(2, 2), impl="triton"), torch.zeros_like(x))
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("ranks", [2, 3, 5])
 def test_fused_moe_expert_parallel_shards_sum_to_the_whole(ranks):
     """Each rank's shard (expert_range, as under DP attention; 5 ranks over 4 experts: one holds none)

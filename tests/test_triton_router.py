@@ -50,6 +50,7 @@ def grouped_sigmoid_reference(logits, top_k, bias, n_group, topk_group, norm, sc
     return w * scale, ids
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("num_experts,top_k,n", [(16, 4, 37), (60, 8, 5), (7, 3, 1), (6, 6, 9), (128, 8, 3),
                                                   (20, 1, 70)])
 @pytest.mark.parametrize("renormalize", [True, False])
@@ -67,6 +68,7 @@ def test_softmax_router_matches_softmax_topk(num_experts, top_k, n, renormalize)
     assert (buf.buffer[n:] == -1).all() and (buf.buffer[:, [0, 2]] == -1).all()
 
 
+@pytest.mark.interpreter
 def test_softmax_router_bf16_logits_and_strided_input():
     """bf16 logits (loaded, then fp32 math) and a non-contiguous [N, E] view give softmax_topk's ids."""
     logits = tied_logits(19, 24, seed=3, dtype=torch.bfloat16)
@@ -78,6 +80,7 @@ def test_softmax_router_bf16_logits_and_strided_input():
     assert torch.equal(softmax_topk_triton(wide, 4, False)[1], softmax_topk(wide, 4, False)[1])
 
 
+@pytest.mark.interpreter
 def test_softmax_router_empty_and_one_token_batches():
     buf = RoutedExpertsBuffer(rows=4, num_layers=2, top_k=2)
     w, ids = softmax_topk_triton(torch.zeros(0, 8), 2, True, capture=buf, layer_id=0)
@@ -105,6 +108,7 @@ def test_router_errors_name_the_field():
                                     norm_topk_prob=True, routed_scaling_factor=1.0)
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("num_experts,top_k,n_group,topk_group,norm", [
     (24, 6, 4, 2, True), (256 // 4, 8, 8, 4, True), (20, 3, 5, 3, False), (12, 4, 1, 1, True)])
 def test_grouped_sigmoid_router_matches_transformers(num_experts, top_k, n_group, topk_group, norm):
@@ -134,6 +138,7 @@ def test_grouped_sigmoid_router_matches_transformers(num_experts, top_k, n_group
     torch.testing.assert_close(w, w_ref, atol=WEIGHT_ATOL, rtol=1e-6)
 
 
+@pytest.mark.interpreter
 def test_grouped_sigmoid_router_ties_and_group_limit():
     """Exact ties among groups and experts: lower ids win; no expert outside the chosen groups."""
     logits = tied_logits(30, 32, seed=7)
