@@ -128,12 +128,14 @@ def test_gpu_triton_engine_matches_torch(dtype):
     if dtype == "float32":
         assert_same(outs, ref)
         return
-    # NOTE: bf16: the kernels round once where torch rounds after each op; a near-tie in a router
-    # may flip, and greedy paths may then part. Compare the prompt rows (same inputs on both).
+    # NOTE: bf16: the kernels round once where torch rounds after each op, so from layer 1 on the
+    # router sees slightly different hidden states and a near-tie may flip (and greedy paths may
+    # then part). Layer 0 sees the same logits: its prompt rows must be equal, in order.
     agree = total = 0
     for out, r in zip(outs, ref):
         n = len(out.prompt_ids) - 1
+        assert torch.equal(out.routed_experts[:n, 0], r.routed_experts[:n, 0])
         a, b = out.routed_experts[:n].sort(-1).values, r.routed_experts[:n].sort(-1).values
         agree += (a == b).all(-1).sum().item()
         total += a.shape[0] * a.shape[1]
-    assert agree >= 0.97 * total, (agree, total)
+    assert agree >= 0.9 * total, (agree, total)

@@ -149,12 +149,12 @@ def test_gpu_fused_moe_inside_cuda_graph():
     m(x, w, ids, impl="triton")                                         # compile outside the graph
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph):
+        torch.cuda.set_sync_debug_mode("error")                         # a host sync raises
+        try:
             out = m(x, w, ids, impl="triton")
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
     for seed in range(1, 4):
         x2, w2, ids2 = routed(48, 256, 32, 4, seed=seed, device="cuda", dtype=torch.bfloat16)
         x.copy_(x2)

@@ -192,12 +192,12 @@ def test_gpu_router_inside_cuda_graph():
     softmax_topk_triton(static, k, True, capture=buf, layer_id=2)      # compile outside the graph
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph):
+        torch.cuda.set_sync_debug_mode("error")                         # a host sync raises
+        try:
             w, ids = softmax_topk_triton(static, k, True, capture=buf, layer_id=2)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
     for seed in range(3):
         static.copy_(tied_logits(n, e, seed=seed).cuda())
         buf.buffer.fill_(-1)
