@@ -10,6 +10,7 @@ from typing import Any, Optional
 DEFAULT_MODEL_PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                   "configs", "tiny-moe")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+ATTENTION_BACKENDS = ("torch", "triton", "flashinfer")   # see rollout/models/attention_backend.py
 
 
 def _positive_int(name: str, value: Any, *, allow_none: bool = False, minimum: int = 1) -> None:
@@ -90,6 +91,8 @@ class EngineConfig:
     seed: int = 0
     weight_version: str = "default"
     stream_interval: int = 1                      # streaming: tokens per chunk unless a request sets it
+    # attention kernels: "torch", "triton" or "flashinfer"; None = by device (resolved_attention_backend)
+    attention_backend: Optional[str] = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.model_path, str) or not self.model_path:
@@ -119,12 +122,19 @@ class EngineConfig:
                            _int_tuple("decode_graph_batch_sizes", self.decode_graph_batch_sizes))
         object.__setattr__(self, "prefill_graph_token_sizes",
                            _int_tuple("prefill_graph_token_sizes", self.prefill_graph_token_sizes))
+        if self.attention_backend is not None and self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS} or None (by device), "
+                             f"got {self.attention_backend!r}")
         if not isinstance(self.weight_version, str):
             raise ValueError(f"weight_version must be a string, got {self.weight_version!r}")
 
     def check_devices(self) -> None:
         """Raises ValueError when this machine lacks the GPUs the config asks for (DP rank r runs
-        on cuda:r). Checked when an engine starts, not when a config is made (configs travel)."""
+        on cuda:r), or the attention backend's kernels. Checked when an engine starts, not when a
+        config is made (configs travel)."""
+        from rollout.models.attention_backend import check_attention_backend  # noqa: PLC0415
+
+        check_attention_backend(self.resolved_attention_backend, self.device)
         if not self.device.startswith("cuda"):
             return
         import torch  # noqa: PLC0415
@@ -140,6 +150,15 @@ class EngineConfig:
 
     def replace(self, **changes: Any) -> "EngineConfig":
         return dataclasses.replace(self, **changes)
+
+    @property
+    def resolved_attention_backend(self) -> str:
+        """attention_backend, or by device: CUDA -> flashinfer when importable, else triton; CPU -> torch."""
+        if self.attention_backend is not None:
+            return self.attention_backend
+        from rollout.models.attention_backend import default_attention_backend  # noqa: PLC0415
+
+        return default_attention_backend(self.device)
 
     @property
     def resolved_tokenizer_path(self) -> str:
