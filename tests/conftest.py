@@ -8,6 +8,10 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+if not torch.cuda.is_available():
+    # NOTE: before anything imports triton: without CUDA its kernels run only in the interpreter
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 from tiny_models import tiny_checkpoint  # noqa: E402,F401  (session fixture)
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
