@@ -79,7 +79,7 @@ def _extend_kernel(Q, KV, Table, QoStart, QoLen, KvStart, KvLen, Out,
 
 def extend_attention(q: torch.Tensor, kv_buffer: torch.Tensor, kv_indices: torch.Tensor, extend_lens: torch.Tensor,
                      seq_lens: torch.Tensor, *, max_extend: int, scale: float, window: int | None = None,
-                     block_m: int = 16) -> torch.Tensor:
+                     block_m: int | None = None) -> torch.Tensor:
     """q [N, H, D] packed (request b's extend_lens[b] new tokens in order, at positions
     seq_lens[b] - extend_lens[b] ..), kv_buffer [slots, 2, kvH, D] (the new tokens' k/v already
     written), kv_indices [B, S] slots by position -> [N, H*D] in q's dtype. max_extend: the
@@ -89,6 +89,8 @@ def extend_attention(q: torch.Tensor, kv_buffer: torch.Tensor, kv_indices: torch
     out = torch.zeros(n, heads, dim, dtype=q.dtype, device=q.device)
     if n == 0 or bsz == 0:
         return out.view(n, heads * dim)
+    # NOTE: the interpreter pays per program: bigger query blocks on CPU
+    block_m = block_m or (32 if q.is_cuda else 64)
     table = kv_indices.contiguous()
     kv_start = torch.arange(bsz, device=q.device, dtype=torch.int64) * table.shape[1]
     qo_start = torch.cumsum(extend_lens, 0) - extend_lens

@@ -14,23 +14,26 @@ import triton.language as tl
 
 @triton.jit
 def _merge_states_kernel(OutPart, LsePart, Out, stride_pb, stride_ph, stride_pp, stride_lb, stride_lh,
-                         stride_ob, stride_oh, NUM_PARTS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                         BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr):
+                         stride_ob, stride_oh, NUM_HEADS: tl.constexpr, NUM_PARTS: tl.constexpr,
+                         HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_P: tl.constexpr,
+                         BLOCK_D: tl.constexpr):
     b = tl.program_id(0)
-    h = tl.program_id(1)
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     offs_p = tl.arange(0, BLOCK_P)
     offs_d = tl.arange(0, BLOCK_D)
-    p_mask = offs_p < NUM_PARTS
+    hp_mask = (offs_h < NUM_HEADS)[:, None] & (offs_p < NUM_PARTS)[None, :]
     d_mask = offs_d < HEAD_DIM
-    lse = tl.load(LsePart + b * stride_lb + h * stride_lh + offs_p, mask=p_mask, other=float("-inf"))
-    top = tl.max(lse, 0)
+    lse = tl.load(LsePart + b * stride_lb + offs_h[:, None] * stride_lh + offs_p[None, :], mask=hp_mask,
+                  other=float("-inf"))                                        # [H, P]
+    top = tl.max(lse, 1)
     top = tl.where(top == float("-inf"), 0.0, top)
-    w = tl.exp(lse - top)                                                     # [P]
-    o = tl.load(OutPart + b * stride_pb + h * stride_ph + offs_p[:, None] * stride_pp + offs_d[None, :],
-                mask=p_mask[:, None] & d_mask[None, :], other=0.0)             # [P, D] fp32
-    total = tl.sum(w, 0)
-    merged = tl.sum(o * w[:, None], 0) / tl.where(total > 0, total, 1.0)
-    tl.store(Out + b * stride_ob + h * stride_oh + offs_d, merged.to(Out.dtype.element_ty), mask=d_mask)
+    w = tl.exp(lse - top[:, None])                                            # [H, P]
+    o = tl.load(OutPart + b * stride_pb + offs_h[:, None, None] * stride_ph + offs_p[None, :, None] * stride_pp
+                + offs_d[None, None, :], mask=hp_mask[:, :, None] & d_mask[None, None, :], other=0.0)  # [H, P, D]
+    total = tl.sum(w, 1)
+    merged = tl.sum(o * w[:, :, None], 1) / tl.where(total > 0, total, 1.0)[:, None]           # [H, D]
+    tl.store(Out + b * stride_ob + offs_h[:, None] * stride_oh + offs_d[None, :], merged.to(Out.dtype.element_ty),
+             mask=(offs_h < NUM_HEADS)[:, None] & d_mask[None, :])
 
 
 def merge_attention_states(out_part: torch.Tensor, lse_part: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -39,10 +42,12 @@ def merge_attention_states(out_part: torch.Tensor, lse_part: torch.Tensor, out: 
     if bsz == 0:
         return out
     assert out_part.stride(3) == 1 and lse_part.stride(2) == 1 and out.stride(2) == 1
-    _merge_states_kernel[(bsz, heads)](
+    # NOTE: a GPU program per (request, head); the interpreter pays per program, so one per request
+    block_h = 1 if out.is_cuda else triton.next_power_of_2(heads)
+    _merge_states_kernel[(bsz, triton.cdiv(heads, block_h))](
         out_part, lse_part, out, out_part.stride(0), out_part.stride(1), out_part.stride(2),
         lse_part.stride(0), lse_part.stride(1), out.stride(0), out.stride(1),
-        NUM_PARTS=parts, HEAD_DIM=dim, BLOCK_P=triton.next_power_of_2(parts),
+        NUM_HEADS=heads, NUM_PARTS=parts, HEAD_DIM=dim, BLOCK_H=block_h, BLOCK_P=triton.next_power_of_2(parts),
         BLOCK_D=triton.next_power_of_2(dim))
     return out
 
