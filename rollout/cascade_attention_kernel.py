@@ -87,7 +87,7 @@ def cascade_decode_attention(q: torch.Tensor, kv_buffer: torch.Tensor, meta: Pag
     kvh = kv_buffer.shape[2]
     group = heads // kvh
     prefix, own = meta.levels
-    splits = num_splits or default_num_splits(q.device, bsz, kvh)
+    splits = num_splits or default_num_splits(q.device)
     rows = q.index_select(0, meta.order).contiguous()                        # group members adjacent
     out_part = torch.empty(bsz, heads, splits + 1, dim, dtype=torch.float32, device=q.device)
     lse_part = torch.empty(bsz, heads, splits + 1, dtype=torch.float32, device=q.device)

@@ -105,3 +105,13 @@ def test_merge_kernel_matches_torch_and_ignores_empty_parts():
     merged = merge_attention_states(out_part, lse_part, torch.empty(3, 4, 32))
     torch.testing.assert_close(merged, merge_attention_states_torch(out_part, lse_part), atol=1e-6, rtol=0)
     torch.testing.assert_close(merged[0], out_part[0, :, 0], atol=1e-6, rtol=0)
+
+
+def test_decode_kernel_is_batch_invariant():
+    """A request's keys are split by its own length only: its output is bitwise the same alone
+    and in any batch (as eager steps and CUDA graph buckets need)."""
+    layer, q, fb, _ = attention_case([5, 40, 70], [1] * 3, seed=9)
+    kv = fb.kv_pool.kv_buffers[0]
+    batch = decode_attention(q, kv, fb.kv_indices, fb.seq_lens, scale=layer.scale, num_splits=3)
+    alone = decode_attention(q[1:2], kv, fb.kv_indices[1:2, :41], fb.seq_lens[1:2], scale=layer.scale, num_splits=3)
+    assert torch.equal(batch[1:2], alone)

@@ -4,8 +4,9 @@ Replaces the decode path of PagedAttention (rollout/models/attention.py, which s
 reference). Program (request, kv head, split) takes the kv head's G query heads as rows and
 attends them over its share of the request's keys, read once through the slot table; it leaves
 a partial output and its log-sum-exp, and merge_attention_kernel merges the splits. A request's
-keys are cut into NUM_SPLITS even shares at run time, so the grid depends only on shapes (CUDA
-graph safe) while short and long requests are both spread over all splits. Math in fp32.
+keys are cut into NUM_SPLITS even shares (of MIN_SPLIT keys at least) at run time, from its own
+length only: the grid depends only on shapes (CUDA graph safe) and a request's result does not
+depend on the batch around it. Math in fp32.
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import triton.language as tl
 from rollout.models.merge_attention_kernel import merge_attention_states
 
 NO_WINDOW = 1 << 30
+MIN_SPLIT = 64   # GPU: fewest keys per split (a split that short is all launch and merge)
 
 
 @triton.jit
@@ -24,7 +26,8 @@ def _decode_partial_kernel(Q, KV, Table, KvStart, KvLen, OutPart, LsePart,
                            stride_pb, stride_ph, stride_pp, stride_lb, stride_lh,
                            scale, window,
                            GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                           BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+                           MIN_SPLIT: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
+                           BLOCK_N: tl.constexpr,
                            IEEE: tl.constexpr):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -32,7 +35,7 @@ def _decode_partial_kernel(Q, KV, Table, KvStart, KvLen, OutPart, LsePart,
     start = tl.load(KvStart + b).to(tl.int64)
     length = tl.load(KvLen + b).to(tl.int32)
     lo = tl.maximum(length - window, 0)                    # sliding window: the last `window` keys
-    share = tl.cdiv(length - lo, NUM_SPLITS)
+    share = tl.maximum(tl.cdiv(length - lo, NUM_SPLITS), MIN_SPLIT)
     s_lo = lo + split * share
     s_hi = tl.minimum(s_lo + share, length)
 
@@ -78,13 +81,12 @@ def _decode_partial_kernel(Q, KV, Table, KvStart, KvLen, OutPart, LsePart,
     tl.store(LsePart + b * stride_lb + heads * stride_lh + split, lse, mask=g_mask)
 
 
-def default_num_splits(device: torch.device, batch: int, num_kv_heads: int) -> int:
-    """Enough programs to fill a GPU (about two per SM); 1 on CPU (the interpreter pays per
-    program; the kernel tests split explicitly)."""
-    if device.type != "cuda":
-        return 1
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return max(1, min(16, triton.cdiv(2 * sms, max(1, batch * num_kv_heads))))
+def default_num_splits(device: torch.device) -> int:
+    """Splits per request on a GPU: 16 (with MIN_SPLIT keys at least each, so short contexts use
+    fewer); 1 on CPU (the interpreter pays per program; the kernel tests split explicitly).
+    NOTE: never a function of the batch: a request's keys are cut the same way whatever batch
+    (or CUDA graph bucket) it is in, so its output is bitwise the same."""
+    return 16 if device.type == "cuda" else 1
 
 
 def decode_partials(q: torch.Tensor, kv_buffer: torch.Tensor, table: torch.Tensor, kv_start: torch.Tensor,
@@ -104,7 +106,8 @@ def decode_partials(q: torch.Tensor, kv_buffer: torch.Tensor, table: torch.Tenso
         q.stride(0), q.stride(1), kv_buffer.stride(0), kv_buffer.stride(1), kv_buffer.stride(2),
         out_part.stride(0), out_part.stride(1), out_part.stride(2), lse_part.stride(0), lse_part.stride(1),
         scale, NO_WINDOW if window is None else window,
-        GROUP=group, HEAD_DIM=dim, NUM_SPLITS=splits, BLOCK_G=max(16, triton.next_power_of_2(group)),
+        GROUP=group, HEAD_DIM=dim, NUM_SPLITS=splits, MIN_SPLIT=MIN_SPLIT if q.is_cuda else 1,
+        BLOCK_G=max(16, triton.next_power_of_2(group)),
         BLOCK_D=max(16, triton.next_power_of_2(dim)), BLOCK_N=32, IEEE=kv_buffer.dtype == torch.float32)
 
 
@@ -116,7 +119,7 @@ def decode_attention(q: torch.Tensor, kv_buffer: torch.Tensor, kv_indices: torch
     bsz, heads, dim = q.shape
     if bsz == 0:
         return q.new_zeros(0, heads * dim)
-    splits = num_splits or default_num_splits(q.device, bsz, kv_buffer.shape[2])
+    splits = num_splits or default_num_splits(q.device)
     table = kv_indices.contiguous()
     kv_start = torch.arange(bsz, device=q.device, dtype=torch.int64) * table.shape[1]
     out_part = torch.empty(bsz, heads, splits, dim, dtype=torch.float32, device=q.device)
