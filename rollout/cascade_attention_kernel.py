@@ -14,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
+from rollout.models.attention_block import attend_block, finish_rows
 from rollout.models.decode_attention_kernel import decode_partials, default_num_splits
 from rollout.models.merge_attention_kernel import merge_attention_states
 from rollout.paged_kv_metadata import PagedKVMetadata
@@ -49,28 +50,9 @@ def _shared_prefix_kernel(Q, KV, Table, QoIndptr, KvIndptr, OutPart, LsePart,
     for n0 in range(kv_lo, kv_hi, BLOCK_N):
         pos = n0 + offs_n
         n_mask = pos < kv_hi
-        slot = tl.load(Table + pos, mask=n_mask, other=0).to(tl.int64)
-        kv_ptr = KV + slot[:, None] * stride_ks + kvh * stride_kh + offs_d[None, :]
-        kd_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(kv_ptr, mask=kd_mask, other=0.0)
-        v = tl.load(kv_ptr + stride_kt, mask=kd_mask, other=0.0)
-        if IEEE:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
-        s = tl.where(n_mask[None, :], s * scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if IEEE:
-            pv = tl.dot(p, v, input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(v.dtype), v)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
-    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    lse = tl.where(l_i > 0, m_i + tl.log(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
+        m_i, l_i, acc = attend_block(q, m_i, l_i, acc, KV, Table, pos, n_mask, n_mask[None, :], kvh,
+                                     stride_ks, stride_kt, stride_kh, offs_d, d_mask, scale, IEEE)
+    out, lse = finish_rows(m_i, l_i, acc)
     tl.store(OutPart + req[:, None] * stride_pb + head[:, None] * stride_ph + part * stride_pp + offs_d[None, :],
              out, mask=qd_mask)
     tl.store(LsePart + req * stride_lb + head * stride_lh + part, lse, mask=m_mask)

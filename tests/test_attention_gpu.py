@@ -11,9 +11,8 @@ from rollout.config import DEFAULT_MODEL_PATH, EngineConfig
 from rollout.engine_core import EngineCore
 from rollout.model_runner import ModelRunner
 from rollout.models.attention_backend import make_attention_backend
-from rollout.request import Req
 from rollout.runners import DECODE, PREFILL
-from rollout.sampling_params import SamplingParams
+from test_runners import _run_core
 from tiny_models import random_prompts as prompts
 
 pytestmark = pytest.mark.gpu
@@ -69,19 +68,6 @@ def test_triton_decode_replays_in_a_cuda_graph():
     assert torch.equal(out, decode_attention(q_static, kv, table, lens, scale=layer.scale))
 
 
-def _run(core, batch, params):
-    outs = {}
-    for i, (ids, p) in enumerate(zip(batch, params)):
-        req = Req(rid=str(i), prompt_ids=ids, params=SamplingParams(**p), seed=i, return_logprob=True,
-                  return_routed_experts=True, max_total_len=core.context_length)
-        req.sink = lambda o: outs.__setitem__(o.rid, o)
-        core.add_request(req)
-    while core.has_work():
-        core.step()
-    core.check_integrity()
-    return [outs[str(i)] for i in range(len(batch))]
-
-
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_cuda_graphs_match_the_same_buckets_without_graphs_bitwise(tiny_checkpoint, backend):
     """Decode buckets and piecewise prefill buckets replayed as CUDA graphs give exactly (bitwise)
@@ -96,7 +82,7 @@ def test_cuda_graphs_match_the_same_buckets_without_graphs_bitwise(tiny_checkpoi
     params = [{"temperature": 0.0, "max_new_tokens": m, "ignore_eos": True} for m in (20, 9, 14, 3, 17, 6)]
     graphed = EngineCore(cfg)
     assert graphed.runner.runners[DECODE].backend.uses_graphs and graphed.runner.runners[PREFILL].backend.uses_graphs
-    outs = _run(graphed, batch, params)
+    outs = _run_core(graphed, batch, params)
     assert graphed.runner.counts[DECODE] > 0 and graphed.runner.counts[PREFILL] > 0
     plain = EngineCore(cfg)
     plain.runner = ModelRunner(model=plain.model, kv_pool=plain.kv_pool, device=plain.device,
@@ -104,7 +90,7 @@ def test_cuda_graphs_match_the_same_buckets_without_graphs_bitwise(tiny_checkpoi
                                seq_capacity=plain.context_length, use_cuda_graphs=False, static_grid=True,
                                attention_backend=make_attention_backend(backend, device=plain.device,
                                                                         model=plain.model))
-    ref = _run(plain, batch, params)
+    ref = _run_core(plain, batch, params)
     assert plain.runner.counts == graphed.runner.counts
     moe = list(graphed.info.moe_layer_ids)
     for out, r in zip(outs, ref):

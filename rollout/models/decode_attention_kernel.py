@@ -14,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
+from rollout.models.attention_block import attend_block, finish_rows
 from rollout.models.merge_attention_kernel import merge_attention_states
 
 NO_WINDOW = 1 << 30
@@ -54,28 +55,9 @@ def _decode_partial_kernel(Q, KV, Table, KvStart, KvLen, OutPart, LsePart,
     for n0 in range(s_lo, s_hi, BLOCK_N):
         pos = n0 + offs_n
         n_mask = pos < s_hi
-        slot = tl.load(Table + start + pos, mask=n_mask, other=0).to(tl.int64)
-        kv_ptr = KV + slot[:, None] * stride_ks + kvh * stride_kh + offs_d[None, :]
-        kd_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(kv_ptr, mask=kd_mask, other=0.0)                             # [N, D]
-        v = tl.load(kv_ptr + stride_kt, mask=kd_mask, other=0.0)                 # [N, D]
-        if IEEE:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
-        s = tl.where(n_mask[None, :], s * scale, float("-inf"))                 # [G, N]
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if IEEE:
-            pv = tl.dot(p, v, input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(v.dtype), v)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
-    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    lse = tl.where(l_i > 0, m_i + tl.log(tl.where(l_i > 0, l_i, 1.0)), float("-inf"))
+        m_i, l_i, acc = attend_block(q, m_i, l_i, acc, KV, Table + start, pos, n_mask, n_mask[None, :], kvh,
+                                     stride_ks, stride_kt, stride_kh, offs_d, d_mask, scale, IEEE)
+    out, lse = finish_rows(m_i, l_i, acc)
     tl.store(OutPart + b * stride_pb + heads[:, None] * stride_ph + split * stride_pp + offs_d[None, :], out,
              mask=g_mask[:, None] & d_mask[None, :])
     tl.store(LsePart + b * stride_lb + heads * stride_lh + split, lse, mask=g_mask)

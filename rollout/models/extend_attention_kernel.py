@@ -13,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from rollout.models.attention_block import attend_block, finish_rows
 from rollout.models.decode_attention_kernel import NO_WINDOW
 
 
@@ -50,29 +51,10 @@ def _extend_kernel(Q, KV, Table, QoStart, QoLen, KvStart, KvLen, Out,
     for n0 in range(lo, hi, BLOCK_N):
         pos = n0 + offs_n
         n_mask = pos < hi
-        slot = tl.load(Table + kv_start + pos, mask=n_mask, other=0).to(tl.int64)
-        kv_ptr = KV + slot[:, None] * stride_ks + kvh * stride_kh + offs_d[None, :]
-        kd_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(kv_ptr, mask=kd_mask, other=0.0)                             # [N, D]
-        v = tl.load(kv_ptr + stride_kt, mask=kd_mask, other=0.0)                 # [N, D]
-        if IEEE:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
         see = n_mask[None, :] & (pos[None, :] <= q_pos[:, None]) & (pos[None, :] > q_pos[:, None] - window)
-        s = tl.where(see, s * scale, float("-inf"))                             # [M, N]
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen no key yet
-        alpha = tl.exp(m_i - m_safe)
-        p = tl.exp(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if IEEE:
-            pv = tl.dot(p, v, input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(v.dtype), v)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
-    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        m_i, l_i, acc = attend_block(q, m_i, l_i, acc, KV, Table + kv_start, pos, n_mask, see, kvh,
+                                     stride_ks, stride_kt, stride_kh, offs_d, d_mask, scale, IEEE)
+    out, _ = finish_rows(m_i, l_i, acc)
     tl.store(Out + (qo_start + offs_m)[:, None] * stride_on + h * stride_oh + offs_d[None, :],
              out.to(Out.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
 
