@@ -12,6 +12,7 @@ from rollout.config import EngineConfig
 from rollout.host_malloc import tune_glibc_malloc
 from rollout.kv_pool import KVPool
 from rollout.model_runner import ModelRunner
+from rollout.models.attention_backend import make_attention_backend
 from rollout.models.moe import FusedExperts, set_moe_backend
 from rollout.models.registry import load_model
 from rollout.output import RolloutOutput
@@ -80,7 +81,9 @@ class EngineCore:
         self.runner = ModelRunner(model=self.model, kv_pool=self.kv_pool, device=self.device, limits=limits,
                                   capture_buffer=self.capturer.buffer if self.capturer else None,
                                   seq_capacity=self.context_length, ep_group=ep_group,
-                                  variant_axes=cfg.graph_variant_axes)
+                                  variant_axes=cfg.graph_variant_axes,
+                                  attention_backend=make_attention_backend(cfg.resolved_attention_backend,
+                                                                           device=self.device, model=self.model))
         if self.capturer is not None:
             self.runner.plan.check_capture_fits(self.capturer.buffer.rows)
         self.runner.capture(GraphCaptureProfiler(cfg.resolved_profile_graph_capture_dir))

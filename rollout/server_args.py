@@ -7,7 +7,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
-from rollout.config import DEFAULT_MODEL_PATH, DTYPES, MOE_BACKENDS, EngineConfig
+from rollout.config import ATTENTION_BACKENDS, DEFAULT_MODEL_PATH, DTYPES, MOE_BACKENDS, EngineConfig
 
 DEFAULT_MAX_REQUEST_BYTES = 64 * 2**20
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
@@ -37,6 +37,7 @@ class ServerArgs:
     enable_profile_graph_capture: bool = False
     profile_graph_capture_dir: Optional[str] = None
     moe_backend: Optional[str] = None
+    attention_backend: Optional[str] = None
     # ---- HTTP ----
     host: str = "127.0.0.1"
     port: int = 30000
@@ -74,7 +75,8 @@ class ServerArgs:
             prefill_graph_token_sizes=self.prefill_graph_token_sizes, seed=self.seed,
             weight_version=self.weight_version, max_capture_buffer_rows=self.max_capture_buffer_rows,
             stream_interval=self.stream_interval, enable_profile_graph_capture=self.enable_profile_graph_capture,
-            profile_graph_capture_dir=self.profile_graph_capture_dir, moe_backend=self.moe_backend)
+            profile_graph_capture_dir=self.profile_graph_capture_dir, moe_backend=self.moe_backend,
+            attention_backend=self.attention_backend)
 
     @property
     def model_name(self) -> str:
@@ -131,6 +133,8 @@ class ServerArgs:
         e.add_argument("--profile-graph-capture-dir", default=None)
         e.add_argument("--moe-backend", default=None, choices=MOE_BACKENDS,
                        help="router and experts kernels (default: triton on CUDA, torch on CPU)")
+        e.add_argument("--attention-backend", default=None, choices=ATTENTION_BACKENDS,
+                       help="attention kernels (default: flashinfer on CUDA when installed, else triton; torch on CPU)")
         h = p.add_argument_group("server")
         h.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
         h.add_argument("--port", type=int, default=30000, help="0 picks a free port (printed at start)")
@@ -164,7 +168,8 @@ class ServerArgs:
                 prefill_graph_token_sizes=tuple(ns.prefill_graph_token_sizes), seed=ns.seed,
                 weight_version=ns.weight_version, max_capture_buffer_rows=ns.max_capture_buffer_rows,
                 stream_interval=ns.stream_interval, enable_profile_graph_capture=ns.enable_profile_graph_capture,
-                profile_graph_capture_dir=ns.profile_graph_capture_dir, host=ns.host, port=ns.port,
+                profile_graph_capture_dir=ns.profile_graph_capture_dir, attention_backend=ns.attention_backend,
+                host=ns.host, port=ns.port,
                 served_model_name=ns.served_model_name, api_key=ns.api_key, admin_api_key=ns.admin_api_key,
                 allowed_weight_dirs=tuple(ns.allowed_weight_dirs), max_request_bytes=ns.max_request_bytes,
                 log_level=ns.log_level, enable_debug_endpoints=ns.enable_debug_endpoints, moe_backend=ns.moe_backend)
