@@ -57,11 +57,12 @@ class EngineCore:
         self.weight_version = cfg.weight_version
         kv_dtype = next(self.model.parameters()).dtype
         per_slot = KVPool.bytes_per_slot(num_layers=self.info.num_hidden_layers, num_kv_heads=self.info.num_kv_heads,
-                                         head_dim=self.info.head_dim, dtype=kv_dtype)
+                                         head_dim=self.info.head_dim, dtype=kv_dtype,
+                                         latent_dim=self.info.kv_latent_dim)
         num_slots = cfg.max_total_tokens or max(2, (cfg.kv_cache_bytes or DEFAULT_KV_CACHE_BYTES) // per_slot)
         self.kv_pool = KVPool(num_slots=num_slots, num_layers=self.info.num_hidden_layers,
                               num_kv_heads=self.info.num_kv_heads, head_dim=self.info.head_dim,
-                              dtype=kv_dtype, device=self.device)
+                              dtype=kv_dtype, device=self.device, latent_dim=self.info.kv_latent_dim)
         self.cache = RadixCache(self.kv_pool, enabled=cfg.enable_prefix_caching)
         self.prefill_token_budget = cfg.chunked_prefill_size or self.context_length
         self.scheduler = Scheduler(kv_pool=self.kv_pool, cache=self.cache,

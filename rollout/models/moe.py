@@ -198,7 +198,7 @@ class SparseMoE(nn.Module):
         """x [N, H] -> [N, H]."""
         ep = fb.ep_group
         if ep is None:
-            topk_weights, topk_ids = self._route(self.gate(x), fb)
+            topk_weights, topk_ids = self.route(x, fb)
             out = self.experts(x, topk_weights, topk_ids, graph_safe=fb.graph_safe, impl=self._experts_impl)
         else:
             # DP attention: route every rank's tokens (gathered by the executing runner's layout, so
@@ -207,17 +207,26 @@ class SparseMoE(nn.Module):
             assert (self.experts.expert_lo, self.experts.expert_hi) == ep.expert_range(self.experts.num_experts), \
                 "DP attention needs the model loaded with this rank's expert shard (load_model(expert_shard=...))"
             x_all = ep.gather(x, fb.layout)                                # [layout.total_rows, H]
-            topk_weights, topk_ids = self._route(self.gate(x_all), fb)
+            topk_weights, topk_ids = self.route(x_all, fb)
             partial = self.experts(x_all, topk_weights, topk_ids, graph_safe=fb.graph_safe,
                                    impl=self._experts_impl)                # own experts
             out = ep.reduce_own(partial, fb.layout)                        # [N, H]
-        if self.shared_expert is not None:
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return out
+        shared = self.shared_output(x)
+        return out if shared is None else out + shared
 
     @property
     def _experts_impl(self) -> str | None:
         return "triton" if self.moe_backend == "triton" else None
+
+    def route(self, x: torch.Tensor, fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [rows, H] -> topk_weights float32 [rows, K], topk_ids int64 [rows, K] (captured)."""
+        return self._route(self.gate(x), fb)
+
+    def shared_output(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The shared expert's part of the output [N, H] (this rank's own rows), or None."""
+        if self.shared_expert is None:
+            return None
+        return torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
 
     def _route(self, router_logits: torch.Tensor, fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
         if self.moe_backend == "triton":
