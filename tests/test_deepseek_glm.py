@@ -261,3 +261,31 @@ def test_dp2_expert_sharded_matches_hf(tiny_checkpoint, arch):
     assert [row["experts_held"] for row in loads] == [[0, 8], [8, 16]]
     for prompt, out in zip(batch, outs):
         assert_matches_hf(path, prompt, out)
+
+
+# ---- presets -----------------------------------------------------------------------------------
+
+def test_presets_size_mla_kv_and_wide_expert_ids(tiny_checkpoint):
+    """--show sizes: MLA KV per token from kv_lora_rank + qk_rope_head_dim (preset or config.json,
+    the same bytes the engine's pool allocates), int16 host store past 255 experts (Kimi-K2)."""
+    from pathlib import Path
+
+    from rollout.config_file import ModelShape, implied_sizes, load_engine_config_file
+
+    root = Path(__file__).resolve().parent.parent / "configs" / "engine"
+    ds, kimi, glm = (implied_sizes(load_engine_config_file(str(root / f"{n}.yaml")))
+                     for n in ("deepseek-v3", "kimi-k2", "glm-4.5-air"))
+    assert ds["kv_layout"] == kimi["kv_layout"] == "mla" and glm["kv_layout"] == "gqa"
+    assert ds["kv_bytes_per_token"] == kimi["kv_bytes_per_token"] == (512 + 64) * 61 * 2
+    assert glm["kv_bytes_per_token"] == 2 * 8 * 128 * 46 * 2
+    assert (ds["num_moe_layers"], kimi["num_moe_layers"], glm["num_moe_layers"]) == (58, 60, 45)
+    assert kimi["host_store_dtype"] == "int16" and kimi["host_store_bytes_per_slot"] == 61 * 8 * 2
+    assert glm["host_store_dtype"] == "uint8" and glm["host_store_bytes_per_slot"] == 46 * 8
+    assert kimi["capture_buffer_rows"] == 32 * 4096 and kimi["capture_buffer_fits_cap"]
+    path = tiny_checkpoint("deepseek_v3")
+    shape = ModelShape.from_dict(json.loads((path / "config.json").read_text()), "config.json")
+    model, _ = load_model(path, torch.float32)
+    info = model.info
+    assert shape.num_hidden_layers * shape.kv_values_per_token_layer * 4 == KVPool.bytes_per_slot(
+        num_layers=info.num_hidden_layers, num_kv_heads=info.num_kv_heads, head_dim=info.head_dim,
+        dtype=torch.float32, latent_dim=info.kv_latent_dim)
