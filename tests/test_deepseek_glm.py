@@ -198,6 +198,44 @@ def test_bf16_keeps_router_fp32_and_skips_mtp_layers(tiny_checkpoint, tmp_path):
         load_model(tmp_path, "float32")
 
 
+def test_weight_update_by_hf_names(tiny_checkpoint):
+    """HF names reach the MLA projections, the correction bias, shared and per-expert weights; the
+    updated model equals transformers' with the same update."""
+    from rollout.models import load_state_dict_from_tensors
+    from transformers import AutoModelForCausalLM
+
+    path = tiny_checkpoint("deepseek_v3")
+    model, _ = load_model(path, torch.float32)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    g = torch.Generator().manual_seed(11)
+    update = {}
+    for name in ("model.layers.1.self_attn.kv_b_proj.weight", "model.layers.2.mlp.gate.e_score_correction_bias",
+                 "model.layers.2.mlp.experts.5.down_proj.weight", "model.layers.1.mlp.shared_experts.up_proj.weight"):
+        current = hf.state_dict()[name] if "experts.5" not in name else hf.model.layers[2].mlp.experts.down_proj[5]
+        update[name] = current + 0.3 * torch.randn(current.shape, generator=g)
+    assert load_state_dict_from_tensors(model, update) == len(update)
+    with torch.no_grad():
+        for name, value in update.items():
+            if "experts.5" in name:
+                hf.model.layers[2].mlp.experts.down_proj[5].copy_(value)
+            elif name.endswith("e_score_correction_bias"):          # a buffer in transformers
+                hf.get_buffer(name).copy_(value)
+            else:
+                hf.get_parameter(name).copy_(value)
+    seq = random_prompts(12, [17])[0]
+    pool = _pool(model)
+    slots = pool.alloc(len(seq))
+    cap = RecordingCapture()
+    fb = ForwardBatch.build(input_ids=seq, out_cache_loc=slots, prefix_lens=[0], extend_lens=[len(seq)],
+                            req_slots=[slots], kv_pool=pool, capture=cap)
+    got = model(fb, return_all_logits=True)
+    with torch.no_grad():
+        want = hf(torch.tensor([seq])).logits[0]
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    bias = model.model.layers[2].mlp.gate.e_score_correction_bias
+    assert torch.equal(bias, update["model.layers.2.mlp.gate.e_score_correction_bias"])
+
+
 # ---- through the engine ------------------------------------------------------------------------
 
 @pytest.mark.parametrize("arch", GROUPED_ARCHS)
@@ -289,3 +327,23 @@ def test_presets_size_mla_kv_and_wide_expert_ids(tiny_checkpoint):
     assert shape.num_hidden_layers * shape.kv_values_per_token_layer * 4 == KVPool.bytes_per_slot(
         num_layers=info.num_hidden_layers, num_kv_heads=info.num_kv_heads, head_dim=info.head_dim,
         dtype=torch.float32, latent_dim=info.kv_latent_dim)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", GROUPED_ARCHS)
+def test_cuda_graphs_match_eager(tiny_checkpoint, arch):
+    """On a GPU: decode CUDA graphs and prefill pieces (graph-safe routing and MoE, the latent
+    attention core between pieces) give eager's tokens and routing."""
+    path = tiny_checkpoint(arch)
+    batch = random_prompts(13, [4, 19, 33, 7, 12])
+    with make_engine(path, device="cuda") as engine:
+        ref = engine.generate(input_ids=batch, sampling_params=GREEDY, return_logprob=True, return_routed_experts=True)
+    with make_engine(path, device="cuda", prefill_graph_token_sizes=(16, 64), decode_graph_batch_sizes=(1, 2, 4, 8),
+                     chunked_prefill_size=32) as engine:
+        outs = engine.generate(input_ids=batch, sampling_params=GREEDY, return_logprob=True, return_routed_experts=True)
+        engine.check_integrity()
+        stats = engine.stats()
+    assert stats["forwards_prefill_graph"] > 0 and stats["forwards_decode_graph"] > 0
+    for out, r in zip(outs, ref):
+        assert out.output_ids == r.output_ids and torch.equal(out.routed_experts, r.routed_experts)
+        assert max(abs(a - b) for a, b in zip(out.output_logprobs, r.output_logprobs)) < 1e-4
