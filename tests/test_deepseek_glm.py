@@ -176,6 +176,40 @@ def test_segments_and_pieces_equal_one_forward(tiny_checkpoint, arch):
         assert torch.equal(results[0][2], other[2])
 
 
+@pytest.mark.parametrize("arch", GROUPED_ARCHS)
+def test_decode_with_cascade_equals_one_grid(tiny_checkpoint, arch):
+    """A GRPO-shaped decode batch that gets a DecodeCascade (8 samples over one cached 300-token
+    prompt): GLM-4.5 (GQA) attends through it, DeepSeek's MLA layers attend over the whole grid;
+    either way logits, KV and routing equal the one-grid forward."""
+    path = tiny_checkpoint(arch)
+    model, _ = load_model(path, torch.float32)
+    prompt = random_prompts(14, [300])[0]
+    tails = random_prompts(15, [2 + i for i in range(8)])
+    results = []
+    for cascade in (False, True):
+        pool = _pool(model, slots=512)
+        shared = pool.alloc(len(prompt))
+        model(ForwardBatch.build(input_ids=prompt, out_cache_loc=shared, prefix_lens=[0], extend_lens=[len(prompt)],
+                                 req_slots=[shared], kv_pool=pool))
+        rows = []
+        for tail in tails:
+            own = pool.alloc(len(tail))
+            slots = torch.cat([shared, own])
+            model(ForwardBatch.build(input_ids=tail[:-1], out_cache_loc=own[:-1], prefix_lens=[len(prompt)],
+                                     extend_lens=[len(tail) - 1], req_slots=[slots[:-1]], kv_pool=pool))
+            rows.append(slots)
+        cap = RecordingCapture()
+        fb = ForwardBatch.build(input_ids=[t[-1] for t in tails], out_cache_loc=torch.stack([r[-1] for r in rows]),
+                                prefix_lens=[len(r) - 1 for r in rows], extend_lens=[1] * len(rows), req_slots=rows,
+                                kv_pool=pool, capture=cap, segment_attention=cascade,
+                                prefix_groups=((len(prompt), tuple(range(len(rows)))),) if cascade else ())
+        assert (fb.cascade is not None) == cascade
+        results.append((model(fb), torch.stack(pool.kv_buffers), torch.stack([cap.ids[k] for k in sorted(cap.ids)])))
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert torch.equal(results[0][2], results[1][2])
+
+
 def test_bf16_keeps_router_fp32_and_skips_mtp_layers(tiny_checkpoint, tmp_path):
     """The router weight and correction bias stay fp32 in a bf16 model (as transformers keeps
     them); a checkpoint's multi-token-prediction layer (num_nextn_predict_layers) is skipped."""
