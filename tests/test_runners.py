@@ -117,9 +117,10 @@ def test_static_attention_grid_matches_trimmed(tiny_checkpoint):
 
 
 @pytest.mark.gpu
-def test_cuda_graph_decode_matches_eager(tiny_checkpoint):
+@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3", "glm4_moe"])   # GQA, MLA, partial rotary
+def test_cuda_graph_decode_matches_eager(tiny_checkpoint, arch):
     """On a GPU the decode buckets replay CUDA graphs (static grid, dense MoE path)."""
-    path = tiny_checkpoint("qwen3_moe")
+    path = tiny_checkpoint(arch)
     batch = prompts(3, [4, 19, 33])
     with make_engine(path, device="cuda") as engine:
         ref = engine.generate(input_ids=batch, sampling_params=GREEDY, return_logprob=True, return_routed_experts=True)
@@ -134,9 +135,10 @@ def test_cuda_graph_decode_matches_eager(tiny_checkpoint):
 
 
 @pytest.mark.gpu
-def test_cuda_graph_prefill_pieces_match_eager(tiny_checkpoint):
+@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3", "glm4_moe"])   # GQA, MLA, partial rotary
+def test_cuda_graph_prefill_pieces_match_eager(tiny_checkpoint, arch):
     """On a GPU the prefill buckets replay one CUDA graph per piece between the attention cores."""
-    path = tiny_checkpoint("qwen3_moe")
+    path = tiny_checkpoint(arch)
     batch = prompts(3, [4, 19, 33, 7, 12])
     with make_engine(path, device="cuda") as engine:
         ref = engine.generate(input_ids=batch, sampling_params=GREEDY, return_logprob=True, return_routed_experts=True)
