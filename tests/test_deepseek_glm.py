@@ -126,14 +126,19 @@ def _pool(model, slots=96):
                   head_dim=info.head_dim, dtype=torch.float32, latent_dim=info.kv_latent_dim)
 
 
-@pytest.mark.parametrize("arch", GROUPED_ARCHS)
-def test_prefill_then_decode_match_hf(tiny_checkpoint, arch):
+@pytest.mark.parametrize("arch,overrides", [
+    ("deepseek_v3", {}), ("glm4_moe", {}),
+    # no q LoRA, plain rope layout and no YaRN; GLM without q/k norm, full groups (n_group 1)
+    ("deepseek_v3", {"q_lora_rank": None, "rope_interleave": False, "rope_scaling": None}),
+    ("glm4_moe", {"use_qk_norm": False, "n_group": 1, "topk_group": 1}),
+], ids=["deepseek_v3", "glm4_moe", "deepseek_v3-no_q_lora-no_yarn", "glm4_moe-no_qk_norm-one_group"])
+def test_prefill_then_decode_match_hf(tiny_checkpoint, arch, overrides):
     """Logits of a chunked prefill + paged decode over the pool equal transformers' full forward;
     DeepSeek's pool holds kv_lora_rank + qk_rope_head_dim values per token and layer."""
-    path = tiny_checkpoint(arch)
+    path = tiny_checkpoint(arch, **overrides)
     model, cfg = load_model(path, torch.float32)
     pool = _pool(model)
-    if arch == "deepseek_v3":
+    if arch == "deepseek_v3" and not overrides:
         assert model.info.kv_latent_dim == cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"] == 40
         assert pool.kv_buffers[0].shape == (97, 40)
         assert KVPool.bytes_per_slot(num_layers=3, num_kv_heads=4, head_dim=24, dtype=torch.float32,
