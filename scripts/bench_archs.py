@@ -1,13 +1,15 @@
 """Tiny-model throughput of the engine's architectures, side by side in one run.
 
-    python scripts/bench_archs.py [--repeats 3] [--prompts 8] [--n 4] [--json PATH]
+    python scripts/bench_archs.py [--repeats 3] [--prompts 8] [--n 4] [--threads 1] [--json PATH]
 
 Builds three random checkpoints of matched size with transformers (hidden 128, 4 layers, 16
 routed experts, top-4, vocab and tokenizer of the embedded model): Qwen3-MoE (GQA), DeepSeek-V3
 (MLA, grouped sigmoid routing, a dense first layer, a shared expert) and GLM-4.5 (GQA with
 partial rotary, the same routing). Each measured run is a fresh process (capture on, fp32,
 sampled, ignore_eos); the architectures are interleaved; the table shows the median and the best
-output tokens/s (on a shared machine the best run is the least disturbed one).
+output tokens/s (on a shared machine the best run is the least disturbed one). --threads sets
+torch's (and OpenMP's) threads per run: 1 degrades gracefully when other jobs share the cores,
+where 2 spinning OpenMP threads on an oversubscribed machine vary by 50x from run to run.
 """
 from __future__ import annotations
 
@@ -81,10 +83,11 @@ def main(argv=None) -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--n", type=int, default=4)
+    ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--json", metavar="PATH")
     args = ap.parse_args(argv)
-    if min(args.repeats, args.prompts, args.n) < 1:
-        ap.error("--repeats, --prompts and --n must be >= 1")
+    if min(args.repeats, args.prompts, args.n, args.threads) < 1:
+        ap.error("--repeats, --prompts, --n and --threads must be >= 1")
     from rollout.models import model_info
     from rollout.kv_pool import KVPool
 
@@ -94,12 +97,14 @@ def main(argv=None) -> None:
         for name, path in paths.items():
             build(name, path)
         runs: dict[str, list[float]] = {name: [] for name in ARCHS}
-        code = ("import json, sys; sys.path.insert(0, sys.argv[1]); import bench_archs as b; "
-                "print(json.dumps(b.worker(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))))")
+        code = ("import json, sys, torch; torch.set_num_threads(int(sys.argv[5])); sys.path.insert(0, sys.argv[1]); "
+                "import bench_archs as b; print(json.dumps(b.worker(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))))")
+        env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
         for _ in range(args.repeats):
             for name, path in paths.items():
                 out = subprocess.run([sys.executable, "-c", code, os.path.dirname(os.path.abspath(__file__)), path,
-                                      str(args.prompts), str(args.n)], check=True, capture_output=True, text=True)
+                                      str(args.prompts), str(args.n), str(args.threads)], check=True,
+                                     capture_output=True, text=True, env=env)
                 dt, tokens = json.loads(out.stdout.strip().splitlines()[-1])
                 runs[name].append(tokens / dt)
         rows = []
