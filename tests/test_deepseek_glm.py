@@ -338,3 +338,22 @@ def test_dp2_expert_sharded_matches_hf(tiny_checkpoint, arch):
     assert [row["experts_held"] for row in loads] == [[0, 8], [8, 16]]
     for prompt, out in zip(batch, outs):
         assert_matches_hf(path, prompt, out)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("arch", GROUPED_ARCHS)
+def test_triton_backends_match_hf(tiny_checkpoint, arch):
+    """moe_backend and attention_backend 'triton' (Triton's interpreter on CPU): the grouped
+    sigmoid router kernel and fused MoE, GLM-4.5's GQA through the attention kernels, DeepSeek's
+    MLA on its torch latent path (no backend is bound for it); tokens and routing rows equal
+    transformers'."""
+    path = tiny_checkpoint(arch)
+    batch = random_prompts(16, [9, 21])
+    with make_engine(path, moe_backend="triton", attention_backend="triton") as engine:
+        outs = engine.generate(input_ids=batch, sampling_params=dict(GREEDY, max_new_tokens=4),
+                               return_routed_experts=True)
+        bound = engine._call(lambda core: core.runner.runners["eager"].attention is not None)
+        backends = engine._call(lambda core: {m.moe_backend for m in core.model.modules() if hasattr(m, "moe_backend")})
+    assert backends == {"triton"} and bound == (arch == "glm4_moe")
+    for prompt, out in zip(batch, outs):
+        assert_matches_hf(path, prompt, out)

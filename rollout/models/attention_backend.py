@@ -99,7 +99,9 @@ class TritonAttentionBackend:
 def make_attention_backend(name: str, *, device: torch.device, model: torch.nn.Module) -> Optional[Any]:
     """The backend object ModelRunner binds into each forward; None for torch."""
     check_attention_backend(name, str(device))
-    if name == "torch":
+    if name == "torch" or getattr(model.spec, "mla", None) is not None:
+        # NOTE: the kernels are built for the GQA pool layout; MLA layers (latent_attention.py)
+        # always attend with torch over the latent pool, so nothing is bound for them.
         return None
     if name == "triton":
         return TritonAttentionBackend()

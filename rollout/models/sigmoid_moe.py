@@ -50,6 +50,13 @@ class GroupedSigmoidMoE(SparseMoE):
                                if spec.shared_experts_intermediate_size > 0 else None)
 
     def route(self, x: torch.Tensor, fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.moe_backend == "triton":
+            from rollout.models.topk_triton import grouped_sigmoid_topk_triton  # noqa: PLC0415  (triton only when chosen)
+
+            return grouped_sigmoid_topk_triton(
+                self.gate(x), self.top_k, correction_bias=self.gate.e_score_correction_bias, n_group=self.n_group,
+                topk_group=self.topk_group, norm_topk_prob=self.renormalize,
+                routed_scaling_factor=self.routed_scaling_factor, capture=fb.capture, layer_id=self.layer_id)
         return grouped_sigmoid_topk(self.gate(x), self.gate.e_score_correction_bias, self.top_k,
                                     n_group=self.n_group, topk_group=self.topk_group,
                                     renormalize=self.renormalize, scaling_factor=self.routed_scaling_factor,
