@@ -307,13 +307,14 @@ class Rollout:
     def _wrap_sink(self, rid: str, sink: Callable[[Any], None]) -> Callable[[Any], None]:
         def deliver(item: Any) -> None:
             if isinstance(item, RolloutOutput) or (isinstance(item, StreamChunk) and item.finished):
+                base = rid.rsplit("_", 1)[0]
                 with self._lock:
                     self._inflight.pop(rid, None)
-                    for base, members in list(self._groups.items()):
-                        if rid in members:
-                            members.remove(rid)
-                            if not members:
-                                del self._groups[base]
+                    members = self._groups.get(base)
+                    if members is not None and rid in members:
+                        members.remove(rid)
+                        if not members:
+                            del self._groups[base]
             sink(item)
         return deliver
 

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import logging
+import time
+from collections import deque
 from typing import Any, Optional
 
 import torch
@@ -27,6 +29,9 @@ from rollout.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 DEFAULT_KV_CACHE_BYTES = 512 * 2**20
+ABORT_MESSAGE = "aborted by request"
+ABORT_BEFORE_PREFILL = "Abort before prefill"   # SGLang's message for a request that computed no KV
+CONTROL_BUDGET_S = 0.02  # answers to aborted waiting requests per step; the rest follow next steps
 
 
 class EngineCore:
@@ -88,6 +93,8 @@ class EngineCore:
         if self.capturer is not None:
             self.runner.plan.check_capture_fits(self.capturer.buffer.rows)
         self.runner.capture(GraphCaptureProfiler(cfg.resolved_profile_graph_capture_dir))
+        self._backlog: deque[Req] = deque()        # aborted waiting requests not answered yet
+        self._budget_end: Optional[float] = None   # perf_counter deadline of this step's control work
         self.stats = {"num_forwards": 0, "num_prefill_forwards": 0, "num_decode_forwards": 0,
                       "prompt_tokens": 0, "generated_tokens": 0, "finished_requests": 0,
                       "aborted_requests": 0}
@@ -105,21 +112,53 @@ class EngineCore:
         self.scheduler.add(req)
 
     def has_work(self) -> bool:
+        return bool(self._backlog) or self._may_schedule()
+
+    def _may_schedule(self) -> bool:
         return self.scheduler.has_work() and self._may_step()
 
     def abort(self, rid: str) -> bool:
+        """Aborts one request by id (an index lookup). A waiting request leaves the queue at once;
+        its answer may follow a step later when this step's control work used its time budget."""
         req = self.scheduler.find(rid)
         if req is None:
             return False
-        self._finish(req, FinishReason("abort", message="aborted by request"))
         self.stats["aborted_requests"] += 1
+        if req.state is ReqState.RUNNING:
+            self._finish(req, FinishReason("abort", message=ABORT_MESSAGE))
+        else:
+            self.scheduler.remove(req)
+            self._answer_later(req)
         return True
 
     def abort_all(self) -> int:
-        reqs = list(self.scheduler.running) + list(self.scheduler.waiting)
-        for req in reqs:
-            self.abort(req.rid)
-        return len(reqs)
+        """Aborts every request in one pass: running ones answer now, waiting ones (no KV) leave
+        the queue now and answer within this step's time budget or the next steps'."""
+        running = list(self.scheduler.running)
+        for req in running:
+            self._finish(req, FinishReason("abort", message=ABORT_MESSAGE))
+        waiting = self.scheduler.remove_all_waiting()
+        self._backlog.extend(waiting)
+        self._answer_backlog()
+        self.stats["aborted_requests"] += len(running) + len(waiting)
+        return len(running) + len(waiting)
+
+    def _answer_later(self, req: Req) -> None:
+        self._backlog.append(req)
+        self._answer_backlog()
+
+    def _answer_backlog(self) -> None:
+        """Answers aborted waiting requests until this step's control budget is spent."""
+        backlog = self._backlog
+        if self._budget_end is None:
+            self._budget_end = time.perf_counter() + CONTROL_BUDGET_S
+        end = self._budget_end
+        while backlog:
+            for _ in range(min(64, len(backlog))):
+                req = backlog.popleft()
+                self._finish(req, FinishReason("abort", message=ABORT_MESSAGE))
+            if time.perf_counter() > end:
+                break
 
     def flush_cache(self) -> bool:
         """Drops every cached prefix (and so its routing); refused while requests hold KV."""
@@ -153,14 +192,18 @@ class EngineCore:
 
     # ---- stepping ------------------------------------------------------------------------------
     def step(self) -> None:
+        self._budget_end = None   # NOTE: a new control budget for the answers before this forward
+        if self._backlog:
+            self._answer_backlog()
+            self._budget_end = None
         if self.ep_group is None:
-            batch = self.scheduler.schedule()
+            batch = self.scheduler.schedule() if self._may_schedule() else None
             if batch is None:
                 return
         else:
             # NOTE: DP: every rank steps together and runs a forward (empty when it has nothing),
             # since the forward's collectives need every rank.
-            batch = self.scheduler.schedule() if self.has_work() else None
+            batch = self.scheduler.schedule() if self._may_schedule() else None
         out = self.runner.forward(batch)
         if batch is None or out is None:
             return
@@ -278,13 +321,16 @@ class EngineCore:
         return text
 
     def _finish(self, req: Req, reason: FinishReason) -> None:
-        want_rows = self.capturer is not None and req.return_routed_experts
+        computed = req.scheduled_once   # NOTE: False: no KV (so no routing row) was ever computed
+        if not computed and reason.type == "abort":
+            reason = FinishReason("abort", message=ABORT_BEFORE_PREFILL)
+        want_rows = self.capturer is not None and req.return_routed_experts and computed
         routed = None
         if want_rows:
             routed = self._routing_rows(req, req.routed_experts_start_len, self._routing_hi(req))
         output = RolloutOutput(
             rid=req.rid, prompt_ids=list(req.prompt_ids), output_ids=list(req.output_ids),
-            text=self._final_text(req, reason), finish_reason=reason.type,
+            text=self._final_text(req, reason) if req.output_ids else "", finish_reason=reason.type,
             finish_info=reason.to_dict(len(req.output_ids)),
             output_logprobs=list(req.output_logprobs) if req.return_logprob else None,
             output_top_logprobs=list(req.output_top_logprobs) if req.top_logprobs_num else None,
@@ -313,7 +359,7 @@ class EngineCore:
             req.sent_text_len = len(streamed)
         lo = max(req.sent_routing_rows, req.routed_experts_start_len)
         routed = None
-        if self.capturer is not None and req.return_routed_experts:
+        if self.capturer is not None and req.return_routed_experts and req.scheduled_once:
             hi = max(lo, self._routing_hi(req))
             routed = self._routing_rows(req, lo, hi)
             req.sent_routing_rows = hi

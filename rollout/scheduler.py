@@ -8,7 +8,8 @@ requests are retracted: their KV goes to the prefix cache and they re-queue at t
 from __future__ import annotations
 
 import os
-from collections import Counter, deque
+from collections import Counter
+from itertools import chain
 from operator import attrgetter
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
@@ -19,6 +20,7 @@ from rollout.kv_pool import KVPool
 from rollout.radix_cache import RadixCache
 from rollout.req_to_token import ReqToTokenPool
 from rollout.request import Req, ReqState
+from rollout.wait_queue import WaitQueue
 
 
 MIN_SHARED_PREFIX = 8  # uncached tokens two new requests must share before one waits for the other
@@ -58,8 +60,9 @@ class Scheduler:
         self.max_running_requests = max_running_requests
         self.prefill_token_budget = prefill_token_budget
         self.on_retract = on_retract
-        self.waiting: deque[Req] = deque()
+        self.waiting = WaitQueue()
         self.running: list[Req] = []        # admitted: holding KV (prefilling or decoding)
+        self._by_rid: dict[str, Req] = {}   # every queued or running request, by rid
         self._admit_counter = 0
         self.num_retractions = 0
         # True unless no running request can be mid-prefill (set on every prefill scheduling)
@@ -67,27 +70,34 @@ class Scheduler:
 
     # ---- queue management ------------------------------------------------------------------
     def add(self, req: Req) -> None:
+        assert req.rid not in self._by_rid, f"request {req.rid} is already scheduled"
+        self._by_rid[req.rid] = req
         self.waiting.append(req)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
     def find(self, rid: str) -> Optional[Req]:
-        for req in self.running:
-            if req.rid == rid:
-                return req
-        for req in self.waiting:
-            if req.rid == rid:
-                return req
-        return None
+        return self._by_rid.get(rid)
 
     def remove(self, req: Req) -> None:
         """Takes a request out of the queues and returns its KV (to the cache when enabled)."""
-        if req in self.running:
+        if self._by_rid.get(req.rid) is not req:
+            return
+        del self._by_rid[req.rid]
+        if req in self.waiting:
+            self.waiting.remove(req)
+        else:
             self.running.remove(req)
             self.release(req)
-        elif req in self.waiting:
-            self.waiting.remove(req)
+
+    def remove_all_waiting(self) -> list[Req]:
+        """Takes every waiting request out of the queue (they hold no KV), in one pass."""
+        reqs = self.waiting.discard_all()
+        by_rid = self._by_rid
+        for req in reqs:
+            del by_rid[req.rid]
+        return reqs
 
     def kv_slots(self, req: Req) -> torch.Tensor:
         """The request's KV slots for positions 0 .. kv_len-1 ([kv_len] int64, a copy)."""
@@ -169,8 +179,9 @@ class Scheduler:
 
     def _schedule_prefill_from(self, chunked: list[Req]) -> Optional[ScheduledBatch]:
         budget = self.prefill_token_budget
-        reqs, ext, pre, locs = [], [], [], []
-        candidates = chunked + list(self.waiting)
+        reqs, ext, pre, locs, admitted = [], [], [], [], []
+        # NOTE: the queue is read lazily (it may hold many thousands) and changed after the loop.
+        candidates = chain(chunked, self.waiting)
         running_count = len(self.running)
         for req in candidates:
             if budget <= 0:
@@ -203,7 +214,7 @@ class Scheduler:
                 if not req.scheduled_once:
                     req.cached_tokens = req.cache_len
                     req.scheduled_once = True
-                self.waiting.remove(req)
+                admitted.append(req)
                 req.state = ReqState.RUNNING
                 self._admit_counter += 1
                 req.admit_seq = self._admit_counter
@@ -211,6 +222,8 @@ class Scheduler:
                 running_count += 1
             if take < remaining:
                 break
+        for req in admitted:
+            self.waiting.remove(req)
         if not reqs:
             return None
         # NOTE: fewest new tokens first: attention cuts the batch into runs of similar shape
