@@ -446,9 +446,9 @@ class Rollout:
         """Installs already validated and staged HF-named tensors, all at once, between steps.
 
         With abort_all_requests every request in flight is aborted first (partial outputs).
-        Otherwise no new request is admitted and the swap waits for the running ones to finish
-        (queued requests then run on the new weights); paused, the running requests are retracted
-        instead. The prefix cache is flushed and weight_version set (when given). Blocks the
+        Otherwise the swap waits for every request that arrived before it (running or queued) to
+        finish on the current weights, as SGLang does; requests that arrive meanwhile queue and run
+        on the new weights. Paused, the running requests are retracted instead. The prefix cache is flushed and weight_version set (when given). Blocks the
         calling thread; returns the tensors copied.
         """
         def begin(core: EngineCore) -> None:
@@ -459,7 +459,7 @@ class Rollout:
         def ready(core: EngineCore) -> bool:
             # NOTE: a cheap check first, so the staged tensors go to try_swap_weights (to every DP
             # rank) only once the running requests are done (or paused, when they get retracted).
-            return core.paused_mode is not None or not any(ld["num_running_reqs"] for ld in core.load_report())
+            return core.paused_mode is not None or not any(ld["update_waits"] for ld in core.load_report())
 
         self._call(begin)
         try:

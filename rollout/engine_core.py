@@ -97,7 +97,7 @@ class EngineCore:
         self._budget_end: Optional[float] = None   # perf_counter deadline of this step's control work
         self.stats = {"num_forwards": 0, "num_prefill_forwards": 0, "num_decode_forwards": 0,
                       "prompt_tokens": 0, "generated_tokens": 0, "finished_requests": 0,
-                      "aborted_requests": 0}
+                      "aborted_requests": 0, "nonfinite_logits_aborts": 0}
 
     @property
     def forward_shape_limits(self) -> ForwardShapeLimits:
@@ -233,6 +233,16 @@ class EngineCore:
             to_sample = range(len(batch.reqs))
             reqs = batch.reqs
         logits = out.logits if len(to_sample) == out.logits.shape[0] else out.logits[list(to_sample)]
+        finite = torch.isfinite(logits).all(dim=-1)                                   # [B]
+        if not bool(finite.all()):
+            keep = finite.tolist()
+            for req, ok in zip(reqs, keep):
+                if not ok:
+                    self._fail_nonfinite(req, "the forward produced non-finite logits (NaN or inf)")
+            reqs = [r for r, ok in zip(reqs, keep) if ok]
+            if not reqs:
+                return
+            logits = logits[finite]
         banned = None
         if any(len(r.output_ids) < r.params.min_new_tokens for r in reqs):
             banned = [self._banned_ids(r) for r in reqs]
@@ -248,6 +258,9 @@ class EngineCore:
         default_interval = self.cfg.stream_interval
         eos = self._eos_set
         for j, req in enumerate(reqs):
+            if logprobs[j] != logprobs[j]:   # NaN: no finite distribution to sample from
+                self._fail_nonfinite(req, "sampling produced a NaN logprob (no finite distribution)")
+                continue
             tok = next_ids[j]
             out_ids = req.output_ids
             out_ids.append(tok)
@@ -274,7 +287,18 @@ class EngineCore:
     def _banned_ids(self, req: Req) -> list[int]:
         if len(req.output_ids) >= req.params.min_new_tokens:
             return []
-        return list(req.params.stop_token_ids) + ([] if req.params.ignore_eos else self.eos_ids)
+        banned = list(req.params.stop_token_ids) + ([] if req.params.ignore_eos else self.eos_ids)
+        if len(set(banned)) >= self.info.vocab_size:
+            return []   # NOTE: every token would end the request: min_new_tokens cannot hold; ban none
+        return banned
+
+    def _fail_nonfinite(self, req: Req, why: str) -> None:
+        """Ends a request whose next token has no finite distribution: abort, with what it has."""
+        logger.warning("request %s: %s; aborted", req.rid, why)
+        self.stats["nonfinite_logits_aborts"] += 1
+        self.stats["aborted_requests"] += 1
+        self._finish(req, FinishReason("abort", message=why + "; the request was aborted",
+                                       err_type="NonFiniteLogits", status_code=500))
 
     def _check_finish(self, req: Req, tok: int) -> Optional[FinishReason]:
         p = req.params
@@ -376,15 +400,14 @@ class EngineCore:
     # NOTE: class-level defaults, so the constructor above needs no change.
     PAUSE_MODES = ("abort", "retract", "in_place")
     paused_mode: Optional[str] = None      # None (running) | "abort" | "retract" | "in_place"
-    _admission_holds: int = 0              # > 0 while weight updates wait for running requests
-    _held_max_running: int = 0
+    _admission_holds: int = 0              # > 0 while weight updates wait for earlier requests
 
     def _may_step(self) -> bool:
-        """Whether the engine thread should step: never while paused; only for admitted requests
-        while a weight update holds admission (so an idle queue never makes the loop spin)."""
+        """Whether the engine thread should step: never while paused; while a weight update holds
+        admission, only for the requests that arrived before it (an idle queue never spins)."""
         if self.paused_mode is not None:
             return False
-        return not self._admission_holds or bool(self.scheduler.running)
+        return not self._admission_holds or self.scheduler.has_admissible()
 
     def pause(self, mode: str) -> int:
         """Stops scheduling until resume(). abort: finish every request as aborted; retract: move
@@ -414,32 +437,32 @@ class EngineCore:
         return len(running)
 
     def hold_admission(self) -> None:
-        """No new request is admitted (running ones continue) until release_admission()."""
+        """Requests that arrive from now on are not admitted until release_admission(); those
+        already here (running or waiting) run to the end, on the current weights (as SGLang's
+        weight updates wait for the requests in flight)."""
         if self._admission_holds == 0:
-            # NOTE: the scheduler admits nothing new while max_running_requests is 0; chunked
-            # prefills and decodes of admitted requests continue.
-            self._held_max_running = self.scheduler.max_running_requests
-            self.scheduler.max_running_requests = 0
+            self.scheduler.hold_admission()
         self._admission_holds += 1
 
     def release_admission(self) -> None:
         assert self._admission_holds > 0
         self._admission_holds -= 1
         if self._admission_holds == 0:
-            self.scheduler.max_running_requests = self._held_max_running
+            self.scheduler.release_admission()
 
     def try_swap_weights(self, staged: dict[str, torch.Tensor], weight_version: Optional[str]) -> Optional[int]:
-        """Copies validated, staged HF-named tensors into the model once no request holds KV.
+        """Copies validated, staged HF-named tensors into the model once the requests that arrived
+        before hold_admission() are done.
 
-        Returns the tensor count, or None while admitted requests still run (call again after a
-        step). Paused in_place, the running requests are retracted first: their KV came from the
+        Returns the tensor count, or None while such requests still run or wait (call again after
+        a step). Paused in_place, the running requests are retracted first: their KV came from the
         old weights; their tokens, logprobs and (saved) routing so far are kept.
         """
         from rollout.models.loader import load_state_dict_from_tensors  # noqa: PLC0415
 
         if self.paused_mode is not None and self.scheduler.running:
             self.retract_running()
-        if self.scheduler.running:
+        if self.scheduler.running or (self.paused_mode is None and self.scheduler.has_admissible()):
             return None
         count = load_state_dict_from_tensors(self.model, staged)
         flushed = self.cache.flush()
@@ -454,5 +477,6 @@ class EngineCore:
         used, total = self.kv_pool.used(), self.kv_pool.num_slots
         return [{"dp_rank": 0, "num_running_reqs": len(self.scheduler.running),
                  "num_waiting_reqs": len(self.scheduler.waiting), "num_used_tokens": used,
+                 "update_waits": int(self._admission_holds > 0 and self.scheduler.has_admissible()),
                  "num_cached_tokens": self.cache.total_size(), "max_total_num_tokens": total,
                  "token_usage": used / total if total else 0.0, **self._expert_report}]

@@ -64,6 +64,9 @@ class Scheduler:
         self.running: list[Req] = []        # admitted: holding KV (prefilling or decoding)
         self._by_rid: dict[str, Req] = {}   # every queued or running request, by rid
         self._admit_counter = 0
+        self._arrival_counter = 0
+        # while set (a weight update waits), only requests that arrived up to this number are admitted
+        self.admit_limit: Optional[int] = None
         self.num_retractions = 0
         # True unless no running request can be mid-prefill (set on every prefill scheduling)
         self._maybe_chunked = False
@@ -72,10 +75,29 @@ class Scheduler:
     def add(self, req: Req) -> None:
         assert req.rid not in self._by_rid, f"request {req.rid} is already scheduled"
         self._by_rid[req.rid] = req
+        self._arrival_counter += 1
+        req.queue_seq = self._arrival_counter
         self.waiting.append(req)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def hold_admission(self) -> None:
+        """Requests that arrive from now on wait until release_admission(); earlier ones run."""
+        if self.admit_limit is None:
+            self.admit_limit = self._arrival_counter
+
+    def release_admission(self) -> None:
+        self.admit_limit = None
+
+    def has_admissible(self) -> bool:
+        """Whether a running request, or a waiting one that may be admitted, exists."""
+        if self.running:
+            return True
+        front = next(iter(self.waiting), None)
+        # NOTE: the queue is in arrival order but for retracted requests at its front, which are
+        # older still: a front request past the limit means every queued one is.
+        return front is not None and (self.admit_limit is None or front.queue_seq <= self.admit_limit)
 
     def find(self, rid: str) -> Optional[Req]:
         return self._by_rid.get(rid)
@@ -188,7 +210,8 @@ class Scheduler:
                 break
             is_new = req.state is ReqState.WAITING
             if is_new:
-                if running_count >= self.max_running_requests:
+                if running_count >= self.max_running_requests or (
+                        self.admit_limit is not None and req.queue_seq > self.admit_limit):
                     break
                 self._admit(req)
                 if self._shares_uncached_prefix(req, reqs):

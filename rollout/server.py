@@ -32,6 +32,7 @@ from rollout.openai_api import (ApiError, ClientGone, EngineStream, OpenAIServin
                                 encode_rows, error_body, json_response, param_of, sse)
 from rollout.output import RolloutOutput
 from rollout.server_args import ServerArgs
+from rollout.unicode_check import body_may_hold_surrogates, invalid_unicode_field
 from rollout.weight_updater import WeightUpdateError, WeightUpdater
 
 logger = logging.getLogger("rollout.server")
@@ -111,6 +112,9 @@ class Metrics:
                [("", stats["finished_requests"])])
         metric("engine_requests_aborted_total", "counter", "requests aborted in the engine",
                [("", stats["aborted_requests"])])
+        metric("engine_nonfinite_logits_aborts_total", "counter",
+               "requests aborted because their next token had no finite distribution (NaN/inf logits)",
+               [("", stats.get("nonfinite_logits_aborts", 0))])
         metric("prompt_tokens_total", "counter", "prompt tokens received", [("", stats["prompt_tokens"])])
         metric("generation_tokens_total", "counter", "tokens generated", [("", stats["generated_tokens"])])
         metric("forwards_total", "counter", "model forwards by kind",
@@ -227,6 +231,10 @@ async def read_json(request: Request, *, allow_empty: bool = False) -> dict:
         raise ApiError(400, f"malformed JSON body: {exc}"[:300]) from None
     if not isinstance(obj, dict):
         raise ApiError(400, "the request body must be a JSON object")
+    if body_may_hold_surrogates(raw):
+        bad = invalid_unicode_field(obj)
+        if bad is not None:
+            raise ApiError(400, f"{bad[1]}; every string must be valid Unicode", param=bad[0])
     return obj
 
 
@@ -677,7 +685,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         shown = f"[{host}]" if ":" in host else host
         print(f"rollout-serve listening on http://{shown}:{port}", flush=True)
         config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=5,
-                                access_log=args.log_level == "debug")
+                                timeout_keep_alive=args.timeout_keep_alive, access_log=args.log_level == "debug")
         uvicorn.Server(config).run(sockets=[sock])
     finally:
         engine.shutdown()
