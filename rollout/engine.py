@@ -95,6 +95,7 @@ class Rollout:
         self._cmds: "queue.Queue[Callable[[], None]]" = queue.Queue()
         self._stopping = False
         self._error: Optional[BaseException] = None
+        self.steps_done = 0   # engine steps finished (read by /health_generate from other threads)
         self._core: Any = None
         ready: Future = Future()
         self._thread = threading.Thread(target=self._run, args=(ready,), name="rollout-engine", daemon=True)
@@ -142,6 +143,7 @@ class Rollout:
                         break
                 if not self._stopping and core.has_work():
                     core.step()
+                    self.steps_done += 1
         except BaseException as exc:  # noqa: BLE001 (report to every waiter, then stop)
             logger.exception("engine thread failed")
             self._error = exc
@@ -481,6 +483,11 @@ class Rollout:
     def kv_capacity(self) -> int:
         """KV slots in the pool: a request's prompt + max_new_tokens must fit in it."""
         return self._core.kv_capacity
+
+    @property
+    def num_in_flight(self) -> int:
+        """Requests submitted and not yet answered."""
+        return len(self._inflight)
 
     @property
     def is_alive(self) -> bool:

@@ -28,6 +28,7 @@ from starlette.responses import Response
 
 from rollout.engine import EngineDeadError, Rollout
 from rollout.engine_core import EngineCore
+from rollout.health import GenerateHealth
 from rollout.openai_api import (ApiError, ClientGone, EngineStream, OpenAIServing, SSEResponse, check_routing_format,
                                 encode_rows, error_body, json_response, param_of, sse)
 from rollout.output import RolloutOutput
@@ -271,6 +272,7 @@ def create_app(engine: Rollout, server_args: ServerArgs) -> FastAPI:
     control_pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="rollout-control")
     weight_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="rollout-weights")
     updater = WeightUpdater(engine, args.weight_dirs)
+    generate_health = GenerateHealth(engine)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -597,17 +599,14 @@ def create_app(engine: Rollout, server_args: ServerArgs) -> FastAPI:
 
     @app.get("/health_generate")
     async def health_generate(request: Request) -> Response:
-        if not engine.is_alive:
-            return json_response(error_body("the engine stopped", "server_error", code=503), 503)
-        if engine.paused_mode is not None:
-            return json_response({"status": "ok", "paused": engine.paused_mode})
-        es = EngineStream(engine, input_ids=[[min(3, info.vocab_size - 1)]],
-                          sampling_params={"max_new_tokens": 1, "temperature": 0.0})
-        try:
-            outs = await asyncio.wait_for(es.outputs(request), timeout=30)
-        except asyncio.TimeoutError:
-            return json_response(error_body("one-token generation timed out", "server_error", code=503), 503)
-        return json_response({"status": "ok", "output_ids": outs[0].output_ids})
+        def probe() -> EngineStream:
+            return EngineStream(engine, input_ids=[[min(3, info.vocab_size - 1)]],
+                                sampling_params={"max_new_tokens": 1, "temperature": 0.0})
+
+        status, body = await generate_health.check(probe, request)
+        if status != 200:
+            return json_response(error_body(body["message"], "server_error", code=status), status)
+        return json_response(body)
 
     def model_info() -> dict:
         return {"model_path": engine.config.model_path, "tokenizer_path": engine.config.resolved_tokenizer_path,
