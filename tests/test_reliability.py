@@ -189,3 +189,127 @@ def test_health_generate_busy_server_is_alive(server, admin, shape):
     assert r.status_code == 200 and len(r.json()["output_ids"]) == 1, r.text
     stats = admin.get("/server_info").json()["internal_states"][0]
     assert stats["aborted_requests"] == 0   # the busy checks submitted (and aborted) nothing
+
+
+# ---- invalid Unicode ---------------------------------------------------------------------------
+BODIES = {
+    "/generate": {"text": ["hi", "there"], "sampling_params": {"max_new_tokens": 2, "stop": ["x"]}, "rid": "ok"},
+    "/v1/completions": {"model": "m", "prompt": "hi", "max_tokens": 2, "stop": ["x"], "user": "u"},
+    "/v1/chat/completions": {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+    "/abort_request": {"rid": "x", "abort_message": "m"},
+    "/pause_generation": {"mode": "retract"},
+    "/continue_generation": {},
+    "/update_weights_from_disk": {"model_path": DEFAULT_MODEL_PATH, "weight_version": "v2"},
+    "/update_weights_from_tensor": {"serialized_named_tensors": "AAAA", "weight_version": "v2"},
+    "/init_weights_update_group": {"master_address": "127.0.0.1", "master_port": 1, "rank_offset": 1,
+                                   "world_size": 2, "group_name": "g", "backend": "gloo"},
+    "/update_weights_from_distributed": {"names": ["lm_head.weight"], "dtypes": ["float32"], "shapes": [[1]],
+                                         "weight_version": "v2"},
+    "/destroy_weights_update_group": {"group_name": "g"},
+}
+
+
+def _string_paths(obj, path=""):
+    if isinstance(obj, str):
+        yield path
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from _string_paths(v, f"{path}.{k}" if path else k)
+    elif isinstance(obj, list):
+        for i, v in enumerate(obj):
+            yield from _string_paths(v, f"{path}[{i}]")
+
+
+def _poison(obj, path):
+    obj = json.loads(json.dumps(obj))
+    parts = path.replace("[", ".[").split(".")
+    parent = obj
+    for part in parts[:-1]:
+        parent = parent[int(part[1:-1])] if part.startswith("[") else parent[part]
+    last = parts[-1]
+    if last.startswith("["):
+        parent[int(last[1:-1])] = "ok" + SURROGATE
+    else:
+        parent[last] = "ok" + SURROGATE
+    return obj
+
+
+def test_lone_surrogates_in_every_string_field_get_400(server, admin):
+    version = admin.get("/get_weight_version").json()["weight_version"]
+    cases = 0
+    for path, body in BODIES.items():
+        poisoned = [(p, _poison(body, p)) for p in _string_paths(body)]
+        poisoned.append(("name", {**body, "field" + SURROGATE: 1}))
+        if "sampling_params" in body:
+            poisoned.append(("sampling_params.name",
+                             {**body, "sampling_params": {**body["sampling_params"], SURROGATE: 1}}))
+        for where, bad in poisoned:
+            raw = json.dumps(bad)                      # ensure_ascii: the surrogate goes as \ud800
+            assert "\\ud800" in raw
+            r = admin.post(path, content=raw, headers={"content-type": "application/json"})
+            assert r.status_code == 400, (path, where, r.status_code, r.text)
+            err = r.json()["error"]
+            assert "not valid Unicode" in err["message"], (path, where, err)
+            if where not in ("name", "sampling_params.name"):
+                assert err["param"] == where, (path, where, err)
+            cases += 1
+    assert cases >= 30
+    # pairs are fine; a printable-less or oversized weight_version is refused before any update
+    r = admin.post("/generate", json={"text": "\U0001F600 hi", "sampling_params": GREEDY})
+    assert r.status_code == 200, r.text
+    for bad in ("a\nb", "\x00", "x" * 257, ""):
+        r = admin.post("/update_weights_from_disk", json={"model_path": DEFAULT_MODEL_PATH, "weight_version": bad})
+        assert r.status_code == 400 and "weight_version" in r.json()["message"], r.text
+    assert admin.get("/get_weight_version").json()["weight_version"] == version
+    assert admin.get("/v1/loads").json()["paused"] is None
+    for path in ("/model_info", "/server_info", "/get_weight_version", "/health"):
+        assert admin.get(path).status_code == 200
+    assert_idle_and_clean(admin)
+
+
+# ---- non-finite logits -------------------------------------------------------------------------
+def _metric(admin, name):
+    for line in admin.get("/metrics").text.splitlines():
+        if line.startswith(name + " ") or line.startswith(name + "{"):
+            return float(line.split()[-1])
+    raise AssertionError(f"metric {name} missing")
+
+
+def _push(admin, tensors, version):
+    r = admin.post(f"/update_weights_from_tensor?weight_version={version}", content=save(tensors),
+                   headers={"content-type": "application/octet-stream"})
+    assert r.status_code == 200 and r.json()["success"], r.text
+
+
+def test_overflowing_logits_abort_with_message_and_metric(server, admin, shape):
+    head = load_file(f"{DEFAULT_MODEL_PATH}/model.safetensors")["lm_head.weight"].float()
+    before = _metric(admin, "rollout_engine_nonfinite_logits_aborts_total")
+    # finite weights (the largest is 3e38), logits that overflow float32
+    _push(admin, {"lm_head.weight": (head.double() * (3e38 / head.abs().max().item())).float()}, "overflow")
+    try:
+        ps = prompts(7, [6, 9, 11])
+        for stream in (False, True):
+            for p in ps:
+                body = {"input_ids": p, "sampling_params": GREEDY, "return_logprob": True,
+                        "return_routed_experts": True, "stream": stream}
+                r = admin.post("/generate", json=body)
+                assert r.status_code == 200, r.text
+                if stream:
+                    events = [json.loads(line[6:]) for line in r.text.splitlines()
+                              if line.startswith("data: {")]
+                    meta = events[-1]["meta_info"]
+                    lps = sum((e["meta_info"].get("output_token_logprobs") or [] for e in events), [])
+                else:
+                    meta = r.json()["meta_info"]
+                    lps = meta["output_token_logprobs"]
+                finish = meta["finish_reason"]
+                assert finish["type"] == "abort" and finish["err_type"] == "NonFiniteLogits", finish
+                assert "non-finite logits" in finish["message"]
+                assert all(lp[0] is not None for lp in lps)
+        assert _metric(admin, "rollout_engine_nonfinite_logits_aborts_total") == before + 6
+        assert_idle_and_clean(admin)
+    finally:
+        _push(admin, {"lm_head.weight": head}, "restored")
+    r = admin.post("/generate", json={"input_ids": ps[0], "sampling_params": GREEDY, "return_routed_experts": True})
+    assert r.json()["meta_info"]["finish_reason"]["type"] == "length"
+    check_routing({**r.json(), "_prompt": ps[0]}, shape)
