@@ -313,3 +313,96 @@ def test_overflowing_logits_abort_with_message_and_metric(server, admin, shape):
     r = admin.post("/generate", json={"input_ids": ps[0], "sampling_params": GREEDY, "return_routed_experts": True})
     assert r.json()["meta_info"]["finish_reason"]["type"] == "length"
     check_routing({**r.json(), "_prompt": ps[0]}, shape)
+
+
+# ---- keep-alive race ---------------------------------------------------------------------------
+class _StallingStream(httpcore.AsyncNetworkStream):
+    """A connection whose first write after it served a response can be held back (a client
+    stall between taking a pooled connection and writing to it: GC, a busy event loop)."""
+
+    def __init__(self, inner, backend):
+        self.inner, self.backend, self.served = inner, backend, False
+
+    async def read(self, max_bytes, timeout=None):
+        data = await self.inner.read(max_bytes, timeout)
+        self.served = True
+        return data
+
+    async def write(self, buffer, timeout=None):
+        if self.served and self.backend.stall_s:
+            stall, self.backend.stall_s = self.backend.stall_s, 0.0
+            await asyncio.sleep(stall)
+        await self.inner.write(buffer, timeout)
+
+    async def aclose(self):
+        await self.inner.aclose()
+
+    async def start_tls(self, *a, **kw):
+        return await self.inner.start_tls(*a, **kw)
+
+    def get_extra_info(self, info):
+        return self.inner.get_extra_info(info)
+
+
+class _StallingBackend(httpcore.AsyncNetworkBackend):
+    def __init__(self):
+        self.inner = httpcore.AnyIOBackend()
+        self.stall_s = 0.0
+
+    async def connect_tcp(self, *a, **kw):
+        return _StallingStream(await self.inner.connect_tcp(*a, **kw), self)
+
+    async def sleep(self, seconds):
+        await self.inner.sleep(seconds)
+
+
+def _stalling_transport():
+    backend = _StallingBackend()
+    transport = httpx.AsyncHTTPTransport()
+    # NOTE: the client's own pool expiry far above the server's, as with httpx's defaults vs a
+    # short server keep-alive; the stall is what makes the race deterministic.
+    transport._pool = httpcore.AsyncConnectionPool(network_backend=backend, keepalive_expiry=60.0)
+    return transport, backend
+
+
+async def _reuse_after_stall(url, idle_s, stall_s):
+    """One request, idle_s on an idle pooled connection, then a request stalled stall_s."""
+    transport, backend = _stalling_transport()
+    async with httpx.AsyncClient(base_url=url, transport=transport, timeout=60) as c:
+        assert (await c.get("/health")).status_code == 200
+        await asyncio.sleep(idle_s)
+        backend.stall_s = stall_s
+        return await c.post("/generate", json={"input_ids": [5, 6, 7], "sampling_params": GREEDY})
+
+
+@pytest.mark.slow
+def test_keep_alive_default_outlasts_client_stall(server):
+    """Default --timeout-keep-alive (75 s): a connection idle 4 s then stalled 2 s (past uvicorn's
+    old 5 s default) is still open."""
+    r = asyncio.run(_reuse_after_stall(server.url, 4.0, 2.0))
+    assert r.status_code == 200 and r.json()["meta_info"]["finish_reason"]["type"] == "length"
+
+
+def test_keep_alive_race_is_retried_by_the_client(tmp_path):
+    with ServerProcess(["--timeout-keep-alive", "1"]) as srv:
+        # the race itself, reproduced: a plain client fails before any response byte
+        with pytest.raises((httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)):
+            asyncio.run(_reuse_after_stall(srv.url, 0.2, 2.0))
+
+        async def with_client():
+            transport, backend = _stalling_transport()
+            async with RolloutClient(srv.url, transport=transport, return_routed_experts=False) as client:
+                first = await client.generate([5, 6, 7], GREEDY)
+                await asyncio.sleep(0.2)
+                backend.stall_s = 2.0
+                second = await client.generate([5, 6, 7], GREEDY)
+                return client, first, second
+
+        client, first, second = asyncio.run(with_client())
+        assert client.stale_retries == 1 and client.resubmitted == 0
+        assert all(s.failures == 0 for s in client.servers)
+        assert torch.equal(torch.as_tensor(second.response_ids), torch.as_tensor(first.response_ids))
+        assert len(second.response_ids) == GREEDY["max_new_tokens"]
+        with httpx.Client(base_url=srv.url) as c:
+            wait_idle(c)
+        assert srv.alive
