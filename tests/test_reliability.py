@@ -406,3 +406,84 @@ def test_keep_alive_race_is_retried_by_the_client(tmp_path):
         with httpx.Client(base_url=srv.url) as c:
             wait_idle(c)
         assert srv.alive
+
+
+# ---- weight updates with requests in flight ----------------------------------------------------
+def _update_with_batch(server, admin, shape, abort, version):
+    """8 requests (4 running, 4 queued), then an update from disk, then one new request once the
+    update holds admission. Returns (outputs of the 8, the new one's output, update's seconds, new
+    request's seconds, seconds from the new request's submission to the update's end)."""
+    ps = prompts(11 if abort else 12, [8] * 8)
+    bodies = [{"input_ids": p, "sampling_params": {**GREEDY, "max_new_tokens": 60}, "return_routed_experts": True,
+               "return_logprob": True} for p in ps]
+    box = {}
+    t = threading.Thread(target=lambda: box.setdefault("outs", asyncio.run(_generate_all(server.url, bodies))))
+    t.start()
+    deadline = time.monotonic() + 60
+    while True:
+        load = admin.get("/v1/loads").json()["loads"][0]
+        if (load["num_running_reqs"], load["num_waiting_reqs"]) == (4, 4):
+            break
+        assert time.monotonic() < deadline, load
+        time.sleep(0.005)
+    upd = {}
+
+    def update():
+        t0 = time.monotonic()
+        upd["r"] = admin.post("/update_weights_from_disk", json={
+            "model_path": DEFAULT_MODEL_PATH, "weight_version": version, "abort_all_requests": abort})
+        upd["t"], upd["end"] = time.monotonic() - t0, time.monotonic()
+
+    u = threading.Thread(target=update)
+    u.start()
+    while True:   # the update has begun: it holds admission (no abort) or aborted the batch
+        load = admin.get("/v1/loads").json()["loads"][0]
+        if load["update_waits"] if not abort else load["num_running_reqs"] + load["num_waiting_reqs"] == 0:
+            break
+        assert u.is_alive() or abort
+        time.sleep(0.005)
+    t_new = time.monotonic()
+    late = asyncio.run(_generate_all(server.url, [{**bodies[0], "input_ids": prompts(13, [8])[0]}]))[0]
+    late_s = time.monotonic() - t_new
+    u.join(120)
+    t.join(120)
+    assert upd["r"].status_code == 200 and upd["r"].json()["weight_version"] == version, upd["r"].text
+    return box["outs"], late, upd["t"], late_s, upd["end"] - t_new
+
+
+def test_update_without_abort_waits_for_requests_in_flight(server, admin, shape):
+    """As SGLang: every request that arrived before the update (running or queued) finishes whole
+    on the old weights; one that arrives meanwhile waits for the update only, then runs on the new."""
+    old = admin.get("/get_weight_version").json()["weight_version"]
+    outs, late, update_s, late_s, wait_s = _update_with_batch(server, admin, shape, False, "upd-1")
+    for out in outs:
+        meta = out["meta_info"]
+        assert meta["finish_reason"]["type"] == "length" and meta["weight_version"] == old, meta["finish_reason"]
+        check_routing(out, shape)
+    assert late["meta_info"]["weight_version"] == "upd-1"
+    check_routing(late, shape)
+    alone = time.monotonic()
+    asyncio.run(_generate_all(server.url, [{"input_ids": prompts(13, [8])[0],
+                                            "sampling_params": {**GREEDY, "max_new_tokens": 60}}]))
+    alone = time.monotonic() - alone
+    # blocked no longer than the update itself (the rest is its own generation, with slack for 2 CPUs)
+    assert late_s <= wait_s + 3 * alone + 2.0, (late_s, wait_s, alone, update_s)
+    assert_idle_and_clean(admin)
+
+
+def test_update_with_abort_returns_partials_and_abort_before_prefill(server, admin, shape):
+    outs, late, _, _, _ = _update_with_batch(server, admin, shape, True, "upd-2")
+    aborted = [o for o in outs if o["meta_info"]["finish_reason"]["type"] == "abort"]
+    assert len(aborted) >= 4, [o["meta_info"]["finish_reason"] for o in outs]
+    before_prefill = 0
+    for out in outs:
+        meta = out["meta_info"]
+        if meta["finish_reason"] == {"type": "abort", "message": ABORT_BEFORE_PREFILL}:
+            before_prefill += 1
+            assert out["output_ids"] == [] and "routed_experts" not in meta and meta["output_token_logprobs"] == []
+        else:   # partial (or whole): routing rows for every token fed forward, exact
+            check_routing(out, shape)
+    assert before_prefill >= 4   # the queued ones never ran
+    assert late["meta_info"]["weight_version"] == "upd-2"
+    check_routing(late, shape)
+    assert_idle_and_clean(admin)
