@@ -487,3 +487,57 @@ def test_update_with_abort_returns_partials_and_abort_before_prefill(server, adm
     assert late["meta_info"]["weight_version"] == "upd-2"
     check_routing(late, shape)
     assert_idle_and_clean(admin)
+
+
+# ---- load with aborts, disconnects and a pause -------------------------------------------------
+@pytest.mark.slow
+def test_load_with_aborts_disconnects_and_pause_loses_nothing(server, admin, shape):
+    rng = random.Random(5)
+    n = 48
+    ps = prompts(21, [rng.randrange(4, 30) for _ in range(n)])
+    max_new = [rng.randrange(4, 40) for _ in range(n)]
+    disconnect = {i for i in range(n) if i % 8 == 7}
+    headers = {"Authorization": f"Bearer {ADMIN_KEY}"}
+
+    async def run():
+        async with httpx.AsyncClient(base_url=server.url, timeout=300, headers=headers) as c:
+            async def one(i):
+                body = {"input_ids": ps[i], "sampling_params": {**GREEDY, "max_new_tokens": max_new[i]},
+                        "rid": f"load-{i}", "return_routed_experts": True, "return_logprob": True}
+                if i in disconnect:
+                    async with c.stream("POST", "/generate", json={**body, "stream": True}) as r:
+                        async for line in r.aiter_lines():
+                            if line.startswith("data: {"):
+                                break   # the client goes away: the server aborts the request
+                    return None
+                r = await c.post("/generate", json=body)
+                assert r.status_code == 200, r.text
+                return {**r.json(), "_prompt": ps[i]}
+
+            async def storm():
+                await asyncio.sleep(1.0)
+                await asyncio.gather(*(c.post("/abort_request", json={"rid": f"load-{i}"}) for i in range(0, n, 5)))
+                await asyncio.sleep(1.0)
+                assert (await c.post("/pause_generation", json={"mode": "abort"})).status_code == 200
+                assert (await c.post("/continue_generation", json={})).status_code == 200
+
+            return await asyncio.gather(*(one(i) for i in range(n)), storm())
+
+    results = asyncio.run(run())[:n]
+    kinds = {"length": 0, "abort": 0, "before_prefill": 0}
+    for i, out in enumerate(results):
+        if i in disconnect:
+            assert out is None
+            continue
+        meta = out["meta_info"]
+        assert meta["id"] == f"load-{i}" and len(meta["output_token_logprobs"]) == len(out["output_ids"])
+        if meta["finish_reason"] == {"type": "abort", "message": ABORT_BEFORE_PREFILL}:
+            kinds["before_prefill"] += 1
+            assert out["output_ids"] == [] and "routed_experts" not in meta
+            continue
+        kinds[meta["finish_reason"]["type"]] += 1
+        if meta["finish_reason"]["type"] == "length":
+            assert len(out["output_ids"]) == max_new[i]
+        check_routing(out, shape)                 # completed or partial: exact rows for T - 1 tokens
+    assert sum(kinds.values()) == n - len(disconnect) and kinds["length"] > 0 and kinds["abort"] > 0, kinds
+    assert_idle_and_clean(admin)
