@@ -31,7 +31,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_KV_CACHE_BYTES = 512 * 2**20
 ABORT_MESSAGE = "aborted by request"
 ABORT_BEFORE_PREFILL = "Abort before prefill"   # SGLang's message for a request that computed no KV
-CONTROL_BUDGET_S = 0.02  # answers to aborted waiting requests per step; the rest follow next steps
+CONTROL_BUDGET_S = 0.01  # answers to aborted waiting requests per step; the rest follow next steps
 
 
 class EngineCore:
@@ -153,12 +153,10 @@ class EngineCore:
         if self._budget_end is None:
             self._budget_end = time.perf_counter() + CONTROL_BUDGET_S
         end = self._budget_end
-        while backlog:
+        while backlog and time.perf_counter() < end:
             for _ in range(min(64, len(backlog))):
                 req = backlog.popleft()
                 self._finish(req, FinishReason("abort", message=ABORT_MESSAGE))
-            if time.perf_counter() > end:
-                break
 
     def flush_cache(self) -> bool:
         """Drops every cached prefix (and so its routing); refused while requests hold KV."""
