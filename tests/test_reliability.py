@@ -93,6 +93,25 @@ def test_abort_32k_queued_is_linear_and_answers_all(how):
     assert core.flush_cache() and core.kv_pool.used() == 0
 
 
+def test_abort_before_prefill_streaming_chunk_has_no_routing():
+    core = _core(max_running_requests=1)
+    items = []
+    first = _req("first", prompts(2, [6])[0], items.append)
+    queued = _req("queued", prompts(3, [6])[0], items.append)
+    queued.stream = True
+    core.add_request(first)
+    core.add_request(queued)
+    core.step()
+    assert core.abort("queued") and core.abort("first")
+    chunk = next(i for i in items if i.rid == "queued")
+    assert chunk.finished and chunk.routed_experts is None and chunk.output_ids == []
+    assert chunk.output.finish_info == {"type": "abort", "message": ABORT_BEFORE_PREFILL}
+    out = next(i for i in items if i.rid == "first")
+    assert out.finish_info["type"] == "abort" and out.finish_info["message"] != ABORT_BEFORE_PREFILL
+    assert out.routed_experts.shape[0] == len(out.prompt_ids) + len(out.output_ids) - 1
+    core.check_integrity()
+
+
 def test_tiny_repetition_penalty_and_total_ban_stay_finite():
     core = _core()
     outs = []
