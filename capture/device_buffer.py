@@ -23,5 +23,11 @@ class RoutedExpertsBuffer:
         assert n <= self.rows, f"forward of {n} tokens exceeds the capture buffer ({self.rows} rows)"
         self.buffer[:n, layer_id].copy_(topk_ids)
 
+    def layer_rows(self, layer_id: int, n: int) -> torch.Tensor:
+        """The [n, top_k] int32 view of layer layer_id's first n rows (row stride num_layers * top_k):
+        where a fused top-k kernel stores the ids itself instead of calling record()."""
+        assert n <= self.rows, f"forward of {n} tokens exceeds the capture buffer ({self.rows} rows)"
+        return self.buffer[:n, layer_id]
+
     def rows_view(self, start: int, stop: int) -> torch.Tensor:
         return self.buffer[start:stop]

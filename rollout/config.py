@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import os
 import re
 from dataclasses import dataclass
@@ -10,6 +11,8 @@ from typing import Any, Optional
 DEFAULT_MODEL_PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                   "configs", "tiny-moe")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+MOE_BACKENDS = ("torch", "triton")
+ATTENTION_BACKENDS = ("torch", "triton", "flashinfer")   # see rollout/models/attention_backend.py
 
 
 def _positive_int(name: str, value: Any, *, allow_none: bool = False, minimum: int = 1) -> None:
@@ -90,6 +93,9 @@ class EngineConfig:
     seed: int = 0
     weight_version: str = "default"
     stream_interval: int = 1                      # streaming: tokens per chunk unless a request sets it
+    moe_backend: Optional[str] = None             # router + experts: "torch" | "triton"; None = by device
+    # attention kernels: "torch", "triton" or "flashinfer"; None = by device (resolved_attention_backend)
+    attention_backend: Optional[str] = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.model_path, str) or not self.model_path:
@@ -119,12 +125,28 @@ class EngineConfig:
                            _int_tuple("decode_graph_batch_sizes", self.decode_graph_batch_sizes))
         object.__setattr__(self, "prefill_graph_token_sizes",
                            _int_tuple("prefill_graph_token_sizes", self.prefill_graph_token_sizes))
+        if self.moe_backend is not None and self.moe_backend not in MOE_BACKENDS:
+            raise ValueError(f"moe_backend must be one of {MOE_BACKENDS} or None (by device), "
+                             f"got {self.moe_backend!r}")
+        if self.attention_backend is not None and self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS} or None (by device), "
+                             f"got {self.attention_backend!r}")
         if not isinstance(self.weight_version, str):
             raise ValueError(f"weight_version must be a string, got {self.weight_version!r}")
 
     def check_devices(self) -> None:
         """Raises ValueError when this machine lacks the GPUs the config asks for (DP rank r runs
-        on cuda:r). Checked when an engine starts, not when a config is made (configs travel)."""
+        on cuda:r), or the kernels the backends ask for. Checked when an engine starts, not when a
+        config is made (configs travel)."""
+        from rollout.models.attention_backend import check_attention_backend  # noqa: PLC0415
+
+        check_attention_backend(self.resolved_attention_backend, self.device)
+        if self.resolved_moe_backend == "triton":
+            if importlib.util.find_spec("triton") is None:
+                raise ValueError("moe_backend='triton' needs the triton package (pip install -e .[gpu])")
+            if not self.device.startswith("cuda") and os.environ.get("TRITON_INTERPRET") != "1":
+                raise ValueError(f"moe_backend='triton' on device={self.device!r} runs only under the Triton "
+                                 f"interpreter (TRITON_INTERPRET=1 before triton is imported); use 'torch'")
         if not self.device.startswith("cuda"):
             return
         import torch  # noqa: PLC0415
@@ -142,8 +164,26 @@ class EngineConfig:
         return dataclasses.replace(self, **changes)
 
     @property
+    def resolved_attention_backend(self) -> str:
+        """attention_backend, or by device: CUDA -> flashinfer when importable, else triton; CPU -> torch."""
+        if self.attention_backend is not None:
+            return self.attention_backend
+        from rollout.models.attention_backend import default_attention_backend  # noqa: PLC0415
+
+        return default_attention_backend(self.device)
+
+    @property
     def resolved_tokenizer_path(self) -> str:
         return self.tokenizer_path or self.model_path
+
+    @property
+    def resolved_moe_backend(self) -> str:
+        """The MoE kernels (router and experts): moe_backend, else "triton" on CUDA when triton is
+        installed and "torch" otherwise (on CPU Triton runs only under its interpreter, for tests)."""
+        if self.moe_backend is not None:
+            return self.moe_backend
+        cuda = self.device.startswith("cuda") and importlib.util.find_spec("triton") is not None
+        return "triton" if cuda else "torch"
 
     @property
     def resolved_profile_graph_capture_dir(self) -> Optional[str]:

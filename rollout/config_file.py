@@ -40,7 +40,10 @@ class ConfigFileError(ValueError):
 
 @dataclass(frozen=True, kw_only=True)
 class ModelShape:
-    """What sizing needs from a model: layers, experts, top-k, which layers are MoE, KV per token."""
+    """What sizing needs from a model: layers, experts, top-k, which layers are MoE, KV per token.
+
+    KV per token: MLA models (kv_lora_rank set) cache kv_lora_rank + qk_rope_head_dim values per
+    layer; the others 2 x num_key_value_heads x head_dim; kv_bytes_per_token overrides both."""
 
     num_hidden_layers: int
     num_experts: int
@@ -49,11 +52,19 @@ class ModelShape:
     num_key_value_heads: int
     head_dim: int
     max_position_embeddings: int
-    kv_bytes_per_token: Optional[int] = None   # overrides 2*layers*kv_heads*head_dim*dtype (e.g. MLA)
+    kv_bytes_per_token: Optional[int] = None   # overrides the KV size computed from the fields
+    kv_lora_rank: Optional[int] = None         # MLA (DeepSeek-V3 family)
+    qk_rope_head_dim: Optional[int] = None
 
     FIELDS = ("num_hidden_layers", "num_experts", "num_experts_per_tok", "num_key_value_heads", "head_dim",
               "max_position_embeddings", "first_k_dense_replace", "mlp_only_layers", "decoder_sparse_step",
-              "moe_layer_ids", "kv_bytes_per_token")
+              "moe_layer_ids", "kv_bytes_per_token", "kv_lora_rank", "qk_rope_head_dim")
+
+    @property
+    def kv_values_per_token_layer(self) -> int:
+        if self.kv_lora_rank is not None:
+            return self.kv_lora_rank + (self.qk_rope_head_dim or 0)
+        return 2 * self.num_key_value_heads * self.head_dim
 
     @classmethod
     def from_dict(cls, d: dict, where: str) -> "ModelShape":
@@ -69,8 +80,10 @@ class ModelShape:
         layers = get("num_hidden_layers")
         experts = get("num_experts", "n_routed_experts", "num_local_experts")
         heads = get("num_attention_heads", required=False)
+        mla = d.get("kv_lora_rank") is not None
         head_dim = get("head_dim", required=False) or (
-            get("hidden_size") // heads if heads else None)
+            get("hidden_size") // heads if heads else None) or (
+            d["kv_lora_rank"] + (d.get("qk_rope_head_dim") or 0) if mla else None)
         if head_dim is None:
             raise ConfigFileError(f"{where}: missing key 'head_dim'")
         if d.get("moe_layer_ids") is not None:
@@ -82,9 +95,11 @@ class ModelShape:
             moe = tuple(i for i in range(layers)
                         if i >= first_dense and (i + 1) % step == 0 and i not in dense_only)
         shape = cls(num_hidden_layers=layers, num_experts=experts, num_experts_per_tok=get("num_experts_per_tok"),
-                    moe_layer_ids=moe, num_key_value_heads=get("num_key_value_heads", "num_attention_heads"),
+                    moe_layer_ids=moe, num_key_value_heads=get("num_key_value_heads", "num_attention_heads",
+                                                                default=1 if mla else None),
                     head_dim=head_dim, max_position_embeddings=get("max_position_embeddings", default=2048),
-                    kv_bytes_per_token=d.get("kv_bytes_per_token"))
+                    kv_bytes_per_token=d.get("kv_bytes_per_token"), kv_lora_rank=d.get("kv_lora_rank"),
+                    qk_rope_head_dim=d.get("qk_rope_head_dim") if d.get("kv_lora_rank") is not None else None)
         for f in dataclasses.fields(shape):
             value = getattr(shape, f.name)
             if f.name == "moe_layer_ids":
@@ -187,7 +202,7 @@ def implied_sizes(cf: EngineConfigFile) -> dict[str, Any]:
     store_item = torch.empty((), dtype=store_dtype).element_size()
     kv_dtype = "float32" if cfg.dtype == "auto" else cfg.dtype
     kv_per_token = shape.kv_bytes_per_token or (
-        2 * shape.num_hidden_layers * shape.num_key_value_heads * shape.head_dim * _DTYPE_BYTES[kv_dtype])
+        shape.num_hidden_layers * shape.kv_values_per_token_layer * _DTYPE_BYTES[kv_dtype])
     kv_slots = cfg.max_total_tokens or max(2, (cfg.kv_cache_bytes or DEFAULT_KV_CACHE_BYTES) // kv_per_token)
     per_slot = shape.num_hidden_layers * shape.num_experts_per_tok * store_item
     device_bytes = rows * shape.num_hidden_layers * shape.num_experts_per_tok * 4
@@ -203,6 +218,8 @@ def implied_sizes(cf: EngineConfigFile) -> dict[str, Any]:
         "capture_buffer_fits_cap": cfg.max_capture_buffer_rows is None or rows <= cfg.max_capture_buffer_rows,
         "host_store_dtype": str(store_dtype).removeprefix("torch."),
         "host_store_bytes_per_slot": per_slot,
+        "kv_layout": "mla" if shape.kv_lora_rank is not None else "gqa",
+        "kv_bytes_per_token": kv_per_token,
         "kv_slots_per_rank": kv_slots,
         "host_store_bytes_per_rank": host_bytes,
         "host_store_bytes_total": host_bytes * cfg.dp_size,
@@ -231,6 +248,7 @@ def format_sizes(s: dict[str, Any]) -> str:
         f"capture buffer bytes       {s['capture_buffer_bytes_per_rank']} ({_human(s['capture_buffer_bytes_per_rank'])}) "
         f"per rank, int32; {_human(s['capture_buffer_bytes_total'])} over {s['dp_size']} rank(s)",
         f"host store bytes per slot  {s['host_store_bytes_per_slot']}   ({s['host_store_dtype']})",
+        f"KV bytes per token         {s['kv_bytes_per_token']}   ({s['kv_layout']}, all layers)",
         f"host store KV slots        {s['kv_slots_per_rank']} per rank",
         f"host store bytes           {s['host_store_bytes_per_rank']} ({_human(s['host_store_bytes_per_rank'])}) "
         f"per rank; {s['host_store_bytes_total']} ({_human(s['host_store_bytes_total'])}) total",

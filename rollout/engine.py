@@ -335,9 +335,9 @@ class Rollout:
         """Installs already validated and staged HF-named tensors, all at once, between steps.
 
         With abort_all_requests every request in flight is aborted first (partial outputs).
-        Otherwise no new request is admitted and the swap waits for the running ones to finish
-        (queued requests then run on the new weights); paused, the running requests are retracted
-        instead. The prefix cache is flushed and weight_version set (when given). Blocks the
+        Otherwise the swap waits for every request that arrived before it (running or queued) to
+        finish on the current weights, as SGLang does; requests that arrive meanwhile queue and run
+        on the new weights. Paused, the running requests are retracted instead. The prefix cache is flushed and weight_version set (when given). Blocks the
         calling thread; returns the tensors copied.
         """
         from rollout.core.engine_loop import tensors_to_wire  # noqa: PLC0415
@@ -350,7 +350,7 @@ class Rollout:
             while True:
                 # NOTE: a cheap check first, so the tensors travel to the ranks only once the running
                 # requests are done (or paused, when they get retracted)
-                if self.paused_mode is not None or not any(ld["num_running_reqs"] for ld in self.loads()):
+                if self.paused_mode is not None or not any(ld["update_waits"] for ld in self.loads()):
                     wire = wire or tensors_to_wire(staged)
                     counts = self._call("try_swap_weights", wire, weight_version)
                     if all(c is not None for c in counts):
@@ -372,6 +372,11 @@ class Rollout:
         return self._client.kv_capacity
 
     @property
+    def num_in_flight(self) -> int:
+        """Requests submitted and not yet answered."""
+        return len(self._inflight)
+
+    @property
     def is_alive(self) -> bool:
         return self._client.dead_reason is None and not self._stopping
 
@@ -384,3 +389,13 @@ class Rollout:
     def busy(self) -> bool:
         """Whether the engine had work after its latest step."""
         return self._client.busy
+
+    @property
+    def steps_done(self) -> int:
+        """Engine steps finished (as last reported; a working engine reports at least every 50 ms)."""
+        return self._client.steps_done
+
+    @property
+    def num_in_flight(self) -> int:
+        """Requests submitted and not yet answered."""
+        return len(self._states)

@@ -7,6 +7,8 @@ front end, which detokenizes, checks stop strings and encodes (rollout/frontend/
 from __future__ import annotations
 
 import logging
+import time
+from collections import deque
 from typing import Any, Optional
 
 import torch
@@ -18,7 +20,8 @@ from rollout.host_malloc import tune_glibc_malloc
 from rollout.kv_pool import KVPool
 from rollout.ipc.messages import ReqUpdate, floats, ints
 from rollout.model_runner import ModelRunner
-from rollout.models.moe import FusedExperts
+from rollout.models.attention_backend import make_attention_backend
+from rollout.models.moe import FusedExperts, set_moe_backend
 from rollout.models.registry import load_model
 from rollout.radix_cache import RadixCache
 from rollout.runners.capture_profiler import GraphCaptureProfiler
@@ -31,6 +34,9 @@ from rollout.tokenizer import Tokenizer
 logger = logging.getLogger(__name__)
 DEFAULT_KV_CACHE_BYTES = 512 * 2**20
 PAUSE_MODES = ("abort", "retract", "in_place")
+ABORT_MESSAGE = "aborted by request"
+ABORT_BEFORE_PREFILL = "Abort before prefill"   # SGLang's message for a request that computed no KV
+CONTROL_BUDGET_S = 0.01  # answers to aborted waiting requests per step; the rest follow next steps
 
 
 class EngineCore:
@@ -48,6 +54,7 @@ class EngineCore:
             tune_glibc_malloc()  # NOTE: CPU forwards in a fresh process ran ~2x slower without it
         self.model, _ = load_model(cfg.model_path, cfg.dtype, self.device,
                                    expert_shard=(ep_group.rank, ep_group.size) if ep_group is not None else None)
+        set_moe_backend(self.model, cfg.resolved_moe_backend)
         self.info = self.model.info
         experts = [m for m in self.model.modules() if isinstance(m, FusedExperts)]
         self._expert_report = {  # what this rank holds of the routed experts (expert parallel)
@@ -59,11 +66,12 @@ class EngineCore:
         self.weight_version = cfg.weight_version
         kv_dtype = next(self.model.parameters()).dtype
         per_slot = KVPool.bytes_per_slot(num_layers=self.info.num_hidden_layers, num_kv_heads=self.info.num_kv_heads,
-                                         head_dim=self.info.head_dim, dtype=kv_dtype)
+                                         head_dim=self.info.head_dim, dtype=kv_dtype,
+                                         latent_dim=self.info.kv_latent_dim)
         num_slots = cfg.max_total_tokens or max(2, (cfg.kv_cache_bytes or DEFAULT_KV_CACHE_BYTES) // per_slot)
         self.kv_pool = KVPool(num_slots=num_slots, num_layers=self.info.num_hidden_layers,
                               num_kv_heads=self.info.num_kv_heads, head_dim=self.info.head_dim,
-                              dtype=kv_dtype, device=self.device)
+                              dtype=kv_dtype, device=self.device, latent_dim=self.info.kv_latent_dim)
         self.cache = RadixCache(self.kv_pool, enabled=cfg.enable_prefix_caching)
         self.prefill_token_budget = cfg.chunked_prefill_size or self.context_length
         self.scheduler = Scheduler(kv_pool=self.kv_pool, cache=self.cache,
@@ -83,16 +91,20 @@ class EngineCore:
         self.runner = ModelRunner(model=self.model, kv_pool=self.kv_pool, device=self.device, limits=limits,
                                   capture_buffer=self.capturer.buffer if self.capturer else None,
                                   seq_capacity=self.context_length, ep_group=ep_group,
-                                  variant_axes=cfg.graph_variant_axes)
+                                  variant_axes=cfg.graph_variant_axes,
+                                  attention_backend=make_attention_backend(cfg.resolved_attention_backend,
+                                                                           device=self.device, model=self.model))
         if self.capturer is not None:
             self.runner.plan.check_capture_fits(self.capturer.buffer.rows)
         self.runner.capture(GraphCaptureProfiler(cfg.resolved_profile_graph_capture_dir))
         # NOTE: routing rows travel as int16 (logical ids and -1) unless the expert count needs int32
         self._routing_dtype = torch.int16 if self.info.num_experts < 2**15 else torch.int32
         self.outbox: list[ReqUpdate] = []
+        self._backlog: deque[tuple[Req, str]] = deque()   # aborted waiting requests (and messages) not answered yet
+        self._budget_end: Optional[float] = None   # perf_counter deadline of this step's control work
         self.stats = {"num_forwards": 0, "num_prefill_forwards": 0, "num_decode_forwards": 0,
                       "prompt_tokens": 0, "generated_tokens": 0, "finished_requests": 0,
-                      "aborted_requests": 0}
+                      "aborted_requests": 0, "nonfinite_logits_aborts": 0}
 
     @property
     def forward_shape_limits(self) -> ForwardShapeLimits:
@@ -107,21 +119,51 @@ class EngineCore:
         self.scheduler.add(req)
 
     def has_work(self) -> bool:
+        return bool(self._backlog) or self._may_schedule()
+
+    def _may_schedule(self) -> bool:
         return self.scheduler.has_work() and self._may_step()
 
-    def abort(self, uid: int, message: str = "aborted by request") -> bool:
+    def abort(self, uid: int, message: str = ABORT_MESSAGE) -> bool:
+        """Aborts one request by uid (an index lookup). A waiting request leaves the queue at once;
+        its answer may follow a step later when this step's control work used its time budget."""
         req = self.scheduler.find(uid)
         if req is None:
             return False
-        self._finish(req, FinishReason("abort", message=message))
         self.stats["aborted_requests"] += 1
+        if req.state is ReqState.RUNNING:
+            self._finish(req, FinishReason("abort", message=message))
+        else:
+            self.scheduler.remove(req)
+            self._answer_later(req, message)
         return True
 
-    def abort_all(self, message: str = "aborted by request") -> int:
-        reqs = list(self.scheduler.running) + list(self.scheduler.waiting)
-        for req in reqs:
-            self.abort(req.uid, message)
-        return len(reqs)
+    def abort_all(self, message: str = ABORT_MESSAGE) -> int:
+        """Aborts every request in one pass: running ones answer now, waiting ones (no KV) leave
+        the queue now and answer within this step's time budget or the next steps'."""
+        running = list(self.scheduler.running)
+        for req in running:
+            self._finish(req, FinishReason("abort", message=message))
+        waiting = self.scheduler.remove_all_waiting()
+        self._backlog.extend((req, message) for req in waiting)
+        self._answer_backlog()
+        self.stats["aborted_requests"] += len(running) + len(waiting)
+        return len(running) + len(waiting)
+
+    def _answer_later(self, req: Req, message: str) -> None:
+        self._backlog.append((req, message))
+        self._answer_backlog()
+
+    def _answer_backlog(self) -> None:
+        """Answers aborted waiting requests until this step's control budget is spent."""
+        backlog = self._backlog
+        if self._budget_end is None:
+            self._budget_end = time.perf_counter() + CONTROL_BUDGET_S
+        end = self._budget_end
+        while backlog and time.perf_counter() < end:
+            for _ in range(min(64, len(backlog))):
+                req, message = backlog.popleft()
+                self._finish(req, FinishReason("abort", message=message))
 
     def take_updates(self) -> list[ReqUpdate]:
         """The updates produced since the last call (the engine loop sends them after each step)."""
@@ -159,14 +201,18 @@ class EngineCore:
 
     # ---- stepping ------------------------------------------------------------------------------
     def step(self) -> None:
+        self._budget_end = None   # NOTE: a new control budget for the answers before this forward
+        if self._backlog:
+            self._answer_backlog()
+            self._budget_end = None
         if self.ep_group is None:
-            batch = self.scheduler.schedule()
+            batch = self.scheduler.schedule() if self._may_schedule() else None
             if batch is None:
                 return
         else:
             # NOTE: DP: every rank steps together and runs a forward (empty when it has nothing),
             # since the forward's collectives need every rank.
-            batch = self.scheduler.schedule() if self.has_work() else None
+            batch = self.scheduler.schedule() if self._may_schedule() else None
         out = self.runner.forward(batch)
         if batch is None or out is None:
             return
@@ -196,6 +242,16 @@ class EngineCore:
             to_sample = range(len(batch.reqs))
             reqs = batch.reqs
         logits = out.logits if len(to_sample) == out.logits.shape[0] else out.logits[list(to_sample)]
+        finite = torch.isfinite(logits).all(dim=-1)                                   # [B]
+        if not bool(finite.all()):
+            keep = finite.tolist()
+            for req, ok in zip(reqs, keep):
+                if not ok:
+                    self._fail_nonfinite(req, "the forward produced non-finite logits (NaN or inf)")
+            reqs = [r for r, ok in zip(reqs, keep) if ok]
+            if not reqs:
+                return
+            logits = logits[finite]
         banned = None
         if any(len(r.output_ids) < r.params.min_new_tokens for r in reqs):
             banned = [self._banned_ids(r) for r in reqs]
@@ -210,6 +266,9 @@ class EngineCore:
         self.stats["generated_tokens"] += len(reqs)
         eos = self._eos_set
         for j, req in enumerate(reqs):
+            if logprobs[j] != logprobs[j]:   # NaN: no finite distribution to sample from
+                self._fail_nonfinite(req, "sampling produced a NaN logprob (no finite distribution)")
+                continue
             tok = next_ids[j]
             out_ids = req.output_ids
             out_ids.append(tok)
@@ -233,7 +292,18 @@ class EngineCore:
     def _banned_ids(self, req: Req) -> list[int]:
         if len(req.output_ids) >= req.params.min_new_tokens:
             return []
-        return list(req.params.stop_token_ids) + ([] if req.params.ignore_eos else self.eos_ids)
+        banned = list(req.params.stop_token_ids) + ([] if req.params.ignore_eos else self.eos_ids)
+        if len(set(banned)) >= self.info.vocab_size:
+            return []   # NOTE: every token would end the request: min_new_tokens cannot hold; ban none
+        return banned
+
+    def _fail_nonfinite(self, req: Req, why: str) -> None:
+        """Ends a request whose next token has no finite distribution: abort, with what it has."""
+        logger.warning("request %s: %s; aborted", req.rid, why)
+        self.stats["nonfinite_logits_aborts"] += 1
+        self.stats["aborted_requests"] += 1
+        self._finish(req, FinishReason("abort", message=why + "; the request was aborted",
+                                       err_type="NonFiniteLogits", status_code=500))
 
     def _check_finish(self, req: Req, tok: int) -> Optional[FinishReason]:
         p = req.params
@@ -275,7 +345,7 @@ class EngineCore:
             upd.top_n = req.top_logprobs_num
             upd.top_logprobs = floats([[lp for lp, _ in row] for row in rows])
             upd.top_ids = ints([[t for _, t in row] for row in rows])
-        if self.capturer is not None and req.return_routed_experts:
+        if self.capturer is not None and req.return_routed_experts and req.scheduled_once:
             start = max(req.sent_routing_rows, req.routed_experts_start_len)
             hi = max(start, self._routing_hi(req))
             upd.routing = self._routing_rows(req, start, hi).to(self._routing_dtype).numpy().tobytes()
@@ -286,9 +356,13 @@ class EngineCore:
         if reason is not None:
             upd.finished = True
             upd.finish_type, upd.finish_matched, upd.finish_message = reason.type, reason.matched, reason.message
+            upd.finish_err_type, upd.finish_status_code = reason.err_type, reason.status_code
         self.outbox.append(upd)
 
     def _finish(self, req: Req, reason: FinishReason) -> None:
+        if not req.scheduled_once and reason.type == "abort":
+            # NOTE: no KV (so no routing row) was ever computed: SGLang's message, no routing field
+            reason = FinishReason("abort", message=ABORT_BEFORE_PREFILL)
         self._update(req, reason)  # NOTE: before remove(): the routing rows live at the request's KV slots
         self.scheduler.remove(req)
         req.state = ReqState.FINISHED
@@ -299,15 +373,14 @@ class EngineCore:
     # NOTE: class-level defaults, so the constructor above needs no change.
     PAUSE_MODES = PAUSE_MODES
     paused_mode: Optional[str] = None      # None (running) | "abort" | "retract" | "in_place"
-    _admission_holds: int = 0              # > 0 while weight updates wait for running requests
-    _held_max_running: int = 0
+    _admission_holds: int = 0              # > 0 while weight updates wait for earlier requests
 
     def _may_step(self) -> bool:
-        """Whether the engine thread should step: never while paused; only for admitted requests
-        while a weight update holds admission (so an idle queue never makes the loop spin)."""
+        """Whether the engine thread should step: never while paused; while a weight update holds
+        admission, only for the requests that arrived before it (an idle queue never spins)."""
         if self.paused_mode is not None:
             return False
-        return not self._admission_holds or bool(self.scheduler.running)
+        return not self._admission_holds or self.scheduler.has_admissible()
 
     def pause(self, mode: str) -> int:
         """Stops scheduling until resume(). abort: finish every request as aborted; retract: move
@@ -337,32 +410,32 @@ class EngineCore:
         return len(running)
 
     def hold_admission(self) -> None:
-        """No new request is admitted (running ones continue) until release_admission()."""
+        """Requests that arrive from now on are not admitted until release_admission(); those
+        already here (running or waiting) run to the end, on the current weights (as SGLang's
+        weight updates wait for the requests in flight)."""
         if self._admission_holds == 0:
-            # NOTE: the scheduler admits nothing new while max_running_requests is 0; chunked
-            # prefills and decodes of admitted requests continue.
-            self._held_max_running = self.scheduler.max_running_requests
-            self.scheduler.max_running_requests = 0
+            self.scheduler.hold_admission()
         self._admission_holds += 1
 
     def release_admission(self) -> None:
         assert self._admission_holds > 0
         self._admission_holds -= 1
         if self._admission_holds == 0:
-            self.scheduler.max_running_requests = self._held_max_running
+            self.scheduler.release_admission()
 
     def try_swap_weights(self, staged: dict[str, torch.Tensor], weight_version: Optional[str]) -> Optional[int]:
-        """Copies validated, staged HF-named tensors into the model once no request holds KV.
+        """Copies validated, staged HF-named tensors into the model once the requests that arrived
+        before hold_admission() are done.
 
-        Returns the tensor count, or None while admitted requests still run (call again after a
-        step). Paused in_place, the running requests are retracted first: their KV came from the
+        Returns the tensor count, or None while such requests still run or wait (call again after
+        a step). Paused in_place, the running requests are retracted first: their KV came from the
         old weights; their tokens, logprobs and (saved) routing so far are kept.
         """
         from rollout.models.loader import load_state_dict_from_tensors  # noqa: PLC0415
 
         if self.paused_mode is not None and self.scheduler.running:
             self.retract_running()
-        if self.scheduler.running:
+        if self.scheduler.running or (self.paused_mode is None and self.scheduler.has_admissible()):
             return None
         count = load_state_dict_from_tensors(self.model, staged)
         flushed = self.cache.flush()
@@ -377,5 +450,6 @@ class EngineCore:
         used, total = self.kv_pool.used(), self.kv_pool.num_slots
         return [{"dp_rank": 0, "num_running_reqs": len(self.scheduler.running),
                  "num_waiting_reqs": len(self.scheduler.waiting), "num_used_tokens": used,
+                 "update_waits": int(self._admission_holds > 0 and self.scheduler.has_admissible()),
                  "num_cached_tokens": self.cache.total_size(), "max_total_num_tokens": total,
                  "token_usage": used / total if total else 0.0, **self._expert_report}]

@@ -38,6 +38,9 @@ class ForwardBatch:
     graph_safe: bool = False         # no host syncs (CUDA graph capture): see FusedExperts.choose_impl
     segments: tuple = ()             # AttentionSegments of an eager batch, () = the grid above
     cascade: Optional[Any] = None    # DecodeCascade of an eager decode batch (then no segments)
+    prefix_groups: tuple = ()        # eager decode: (shared length, batch rows) of requests sharing a prefix
+    attention: Optional[Any] = None  # the engine's attention backend (None: PagedAttention's torch path)
+    attention_plan: Optional[Any] = None   # what that backend prepared for this forward (bind)
 
     @property
     def num_tokens(self) -> int:
@@ -126,4 +129,5 @@ class ForwardBatch:
             capture=capture,
             segments=segments,
             cascade=cascade,
+            prefix_groups=tuple(prefix_groups) if segment_attention and max_ext == 1 else (),
         )

@@ -17,10 +17,14 @@ def _zeros(shape: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tens
 
 
 class KVPool:
-    """Token-slot KV memory. Slot 0 is the sink; slots 1..num_slots are allocatable."""
+    """Token-slot KV memory. Slot 0 is the sink; slots 1..num_slots are allocatable.
+
+    Two layouts: GQA (per layer [slots, 2, kvH, D], key and value side by side) or, with
+    latent_dim > 0, MLA (per layer [slots, latent_dim]: the compressed latent then the rope key).
+    """
 
     def __init__(self, *, num_slots: int, num_layers: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: str | torch.device = "cpu"):
+                 dtype: torch.dtype, device: str | torch.device = "cpu", latent_dim: int = 0):
         if num_slots <= 0:
             raise ValueError(f"num_slots must be > 0, got {num_slots}")
         self.num_slots = num_slots
@@ -29,15 +33,19 @@ class KVPool:
         self.device = torch.device(device)
         # NOTE: a slot's key and value sit side by side ([slots, 2, kvH, D] per layer): attention
         # gathers both with one index_select (about a third faster on CPU than two gathers).
-        shape = (num_slots + 1, 2, num_kv_heads, head_dim)
+        self.latent_dim = latent_dim
+        shape = (num_slots + 1, latent_dim) if latent_dim else (num_slots + 1, 2, num_kv_heads, head_dim)
         self.kv_buffers = [_zeros(shape, dtype, self.device) for _ in range(num_layers)]
-        self.k_buffers = [kv[:, 0] for kv in self.kv_buffers]   # views [slots, kvH, D]
-        self.v_buffers = [kv[:, 1] for kv in self.kv_buffers]
+        if not latent_dim:
+            self.k_buffers = [kv[:, 0] for kv in self.kv_buffers]   # views [slots, kvH, D]
+            self.v_buffers = [kv[:, 1] for kv in self.kv_buffers]
         self._free = list(range(num_slots, 0, -1))  # pop() hands out low slots first
 
     @staticmethod
-    def bytes_per_slot(*, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-        return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+    def bytes_per_slot(*, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                       latent_dim: int = 0) -> int:
+        per_layer = latent_dim or 2 * num_kv_heads * head_dim
+        return num_layers * per_layer * torch.empty((), dtype=dtype).element_size()
 
     def available(self) -> int:
         return len(self._free)
@@ -65,6 +73,10 @@ class KVPool:
         # NOTE: padding tokens all write the sink slot: whichever wins, it holds finite values
         self.k_buffers[layer_id].index_copy_(0, slots, k.to(self.dtype))
         self.v_buffers[layer_id].index_copy_(0, slots, v.to(self.dtype))
+
+    def write_latent(self, layer_id: int, slots: torch.Tensor, latent: torch.Tensor) -> None:
+        """MLA layout: latent [num_tokens, latent_dim] written at slots [num_tokens]."""
+        self.kv_buffers[layer_id].index_copy_(0, slots, latent.to(self.dtype))
 
     def check_integrity(self) -> None:
         free = self._free

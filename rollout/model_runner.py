@@ -30,8 +30,11 @@ class ModelRunner:
                  limits: Optional[ForwardShapeLimits] = None, capture_buffer: Optional[Any] = None,
                  seq_capacity: Optional[int] = None, ep_group: Optional[Any] = None,
                  variant_axes: tuple[tuple[str, tuple[str, ...]], ...] = (),
-                 use_cuda_graphs: Optional[bool] = None, static_grid: Optional[bool] = None):
+                 use_cuda_graphs: Optional[bool] = None, static_grid: Optional[bool] = None,
+                 attention_backend: Optional[Any] = None):
         """limits: the same ForwardShapeLimits the capture buffer is sized from (None: eager only).
+        attention_backend: bound into every forward of every runner (models/attention_backend.py;
+        None: torch).
 
         use_cuda_graphs: default on for a CUDA device. static_grid: keep the decode attention grid
         at seq_capacity keys (default: only with CUDA graphs, which need it).
@@ -54,7 +57,8 @@ class ModelRunner:
         if static_grid and seq_capacity is None:
             raise ValueError("a static attention grid needs seq_capacity (the context length)")
         self.graph_pool = GraphMemoryPool()  # every CUDA graph of this runner (decode and prefill)
-        common = dict(model=model, kv_pool=kv_pool, device=device, capture_buffer=capture_buffer, ep_group=ep_group)
+        common = dict(model=model, kv_pool=kv_pool, device=device, capture_buffer=capture_buffer, ep_group=ep_group,
+                      attention=attention_backend)
         self.runners: dict[str, Any] = {EAGER: EagerRunner(**common)}
         if limits.decode_graph_batch_sizes:
             backend = CudaGraphBackend(model, self.graph_pool) if use_cuda_graphs else GraphBackend(model)

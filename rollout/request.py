@@ -21,6 +21,8 @@ class FinishReason:
     type: str                       # "stop" | "length" | "abort"
     matched: Any = None             # the token id or stop string that matched
     message: Optional[str] = None
+    err_type: Optional[str] = None      # abort by a server-side failure (SGLang's FINISH_ABORT fields)
+    status_code: Optional[int] = None
 
     def to_dict(self, completion_tokens: int) -> dict:
         out: dict = {"type": self.type}
@@ -30,6 +32,9 @@ class FinishReason:
             out["length"] = completion_tokens
         if self.message:
             out["message"] = self.message
+        if self.err_type:
+            out["err_type"] = self.err_type
+            out["status_code"] = self.status_code
         return out
 
 
@@ -60,6 +65,7 @@ class Req:
     cached_tokens: int = 0
     scheduled_once: bool = False
     admit_seq: int = 0                   # admission order; retraction picks the newest
+    queue_seq: int = 0                   # arrival order at the scheduler (weight updates wait on earlier ones)
     num_retractions: int = 0
     saved_routing: Optional[torch.Tensor] = None  # [n, L, K] rows for positions start.. saved at retraction
     sent_tokens: int = 0                 # update cursors: what earlier updates carried

@@ -21,6 +21,7 @@ _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _MIX1, _MIX2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
 _S11, _S27, _S30, _S31 = np.uint64(11), np.uint64(27), np.uint64(30), np.uint64(31)
 _SAMPLER_KEY = attrgetter("sampler_key")
+PENALIZED_LOGIT_LIMIT = 1e30   # x 1/GREEDY_TEMPERATURE (1e6) stays below float32's max (3.4e38)
 
 
 def _splitmix64(z: np.ndarray) -> np.ndarray:
@@ -72,7 +73,9 @@ def _apply_penalties(logits: torch.Tensor, params: Sequence[SamplingParams],
             row = torch.where(seen, torch.where(row > 0, row / p.repetition_penalty,
                                                 row * p.repetition_penalty), row)
         row = row - p.frequency_penalty * counts.to(row.dtype) - p.presence_penalty * seen.to(row.dtype)
-        logits[i] = row
+        # NOTE: a tiny repetition_penalty divides a finite logit into inf; clamped, the distribution
+        # stays finite (and favours the same tokens) even after division by the smallest temperature.
+        logits[i] = row.clamp(-PENALIZED_LOGIT_LIMIT, PENALIZED_LOGIT_LIMIT)
     return logits
 
 

@@ -8,7 +8,8 @@ requests are retracted: their KV goes to the prefix cache and they re-queue at t
 from __future__ import annotations
 
 import os
-from collections import Counter, deque
+from collections import Counter
+from itertools import chain
 from operator import attrgetter
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
@@ -19,6 +20,7 @@ from rollout.kv_pool import KVPool
 from rollout.radix_cache import RadixCache
 from rollout.req_to_token import ReqToTokenPool
 from rollout.request import Req, ReqState
+from rollout.wait_queue import WaitQueue
 
 
 MIN_SHARED_PREFIX = 8  # uncached tokens two new requests must share before one waits for the other
@@ -58,36 +60,66 @@ class Scheduler:
         self.max_running_requests = max_running_requests
         self.prefill_token_budget = prefill_token_budget
         self.on_retract = on_retract
-        self.waiting: deque[Req] = deque()
+        self.waiting = WaitQueue()
         self.running: list[Req] = []        # admitted: holding KV (prefilling or decoding)
+        self._by_uid: dict[int, Req] = {}   # every queued or running request, by uid
         self._admit_counter = 0
+        self._arrival_counter = 0
+        # while set (a weight update waits), only requests that arrived up to this number are admitted
+        self.admit_limit: Optional[int] = None
         self.num_retractions = 0
         # True unless no running request can be mid-prefill (set on every prefill scheduling)
         self._maybe_chunked = False
 
     # ---- queue management ------------------------------------------------------------------
     def add(self, req: Req) -> None:
+        assert req.uid not in self._by_uid, f"request {req.rid} (uid {req.uid}) is already scheduled"
+        self._by_uid[req.uid] = req
+        self._arrival_counter += 1
+        req.queue_seq = self._arrival_counter
         self.waiting.append(req)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def hold_admission(self) -> None:
+        """Requests that arrive from now on wait until release_admission(); earlier ones run."""
+        if self.admit_limit is None:
+            self.admit_limit = self._arrival_counter
+
+    def release_admission(self) -> None:
+        self.admit_limit = None
+
+    def has_admissible(self) -> bool:
+        """Whether a running request, or a waiting one that may be admitted, exists."""
+        if self.running:
+            return True
+        front = next(iter(self.waiting), None)
+        # NOTE: the queue is in arrival order but for retracted requests at its front, which are
+        # older still: a front request past the limit means every queued one is.
+        return front is not None and (self.admit_limit is None or front.queue_seq <= self.admit_limit)
+
     def find(self, uid: int) -> Optional[Req]:
-        for req in self.running:
-            if req.uid == uid:
-                return req
-        for req in self.waiting:
-            if req.uid == uid:
-                return req
-        return None
+        return self._by_uid.get(uid)
 
     def remove(self, req: Req) -> None:
         """Takes a request out of the queues and returns its KV (to the cache when enabled)."""
-        if req in self.running:
+        if self._by_uid.get(req.uid) is not req:
+            return
+        del self._by_uid[req.uid]
+        if req in self.waiting:
+            self.waiting.remove(req)
+        else:
             self.running.remove(req)
             self.release(req)
-        elif req in self.waiting:
-            self.waiting.remove(req)
+
+    def remove_all_waiting(self) -> list[Req]:
+        """Takes every waiting request out of the queue (they hold no KV), in one pass."""
+        reqs = self.waiting.discard_all()
+        by_uid = self._by_uid
+        for req in reqs:
+            del by_uid[req.uid]
+        return reqs
 
     def kv_slots(self, req: Req) -> torch.Tensor:
         """The request's KV slots for positions 0 .. kv_len-1 ([kv_len] int64, a copy)."""
@@ -169,15 +201,17 @@ class Scheduler:
 
     def _schedule_prefill_from(self, chunked: list[Req]) -> Optional[ScheduledBatch]:
         budget = self.prefill_token_budget
-        reqs, ext, pre, locs = [], [], [], []
-        candidates = chunked + list(self.waiting)
+        reqs, ext, pre, locs, admitted = [], [], [], [], []
+        # NOTE: the queue is read lazily (it may hold many thousands) and changed after the loop.
+        candidates = chain(chunked, self.waiting)
         running_count = len(self.running)
         for req in candidates:
             if budget <= 0:
                 break
             is_new = req.state is ReqState.WAITING
             if is_new:
-                if running_count >= self.max_running_requests:
+                if running_count >= self.max_running_requests or (
+                        self.admit_limit is not None and req.queue_seq > self.admit_limit):
                     break
                 self._admit(req)
                 if self._shares_uncached_prefix(req, reqs):
@@ -203,7 +237,7 @@ class Scheduler:
                 if not req.scheduled_once:
                     req.cached_tokens = req.cache_len
                     req.scheduled_once = True
-                self.waiting.remove(req)
+                admitted.append(req)
                 req.state = ReqState.RUNNING
                 self._admit_counter += 1
                 req.admit_seq = self._admit_counter
@@ -211,6 +245,8 @@ class Scheduler:
                 running_count += 1
             if take < remaining:
                 break
+        for req in admitted:
+            self.waiting.remove(req)
         if not reqs:
             return None
         # NOTE: fewest new tokens first: attention cuts the batch into runs of similar shape

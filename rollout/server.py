@@ -31,10 +31,12 @@ from starlette.responses import Response
 
 from rollout.engine import EngineDeadError, Rollout
 from rollout.engine_core import PAUSE_MODES
+from rollout.health import GenerateHealth
 from rollout.openai_api import (ApiError, ClientGone, EngineStream, OpenAIServing, SSEResponse, check_routing_format,
                                 encode_rows, error_body, json_response, param_of, sse)
 from rollout.output import RolloutOutput
 from rollout.server_args import ServerArgs
+from rollout.unicode_check import body_may_hold_surrogates, invalid_unicode_field
 from rollout.weight_updater import WeightUpdateError, WeightUpdater
 
 logger = logging.getLogger("rollout.server")
@@ -115,6 +117,9 @@ class Metrics:
                [("", stats["finished_requests"])])
         metric("engine_requests_aborted_total", "counter", "requests aborted in the engine",
                [("", stats["aborted_requests"])])
+        metric("engine_nonfinite_logits_aborts_total", "counter",
+               "requests aborted because their next token had no finite distribution (NaN/inf logits)",
+               [("", stats.get("nonfinite_logits_aborts", 0))])
         metric("prompt_tokens_total", "counter", "prompt tokens received", [("", stats["prompt_tokens"])])
         metric("generation_tokens_total", "counter", "tokens generated", [("", stats["generated_tokens"])])
         metric("forwards_total", "counter", "model forwards by kind",
@@ -230,6 +235,10 @@ async def read_json(request: Request, *, allow_empty: bool = False) -> dict:
         raise ApiError(400, f"malformed JSON body: {exc}"[:300]) from None
     if not isinstance(obj, dict):
         raise ApiError(400, "the request body must be a JSON object")
+    if body_may_hold_surrogates(raw):
+        bad = invalid_unicode_field(obj)
+        if bad is not None:
+            raise ApiError(400, f"{bad[1]}; every string must be valid Unicode", param=bad[0])
     return obj
 
 
@@ -266,6 +275,7 @@ def create_app(engine: Rollout, server_args: ServerArgs) -> FastAPI:
     control_pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="rollout-control")
     weight_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="rollout-weights")
     updater = WeightUpdater(engine, args.weight_dirs)
+    generate_health = GenerateHealth(engine)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -592,17 +602,14 @@ def create_app(engine: Rollout, server_args: ServerArgs) -> FastAPI:
 
     @app.get("/health_generate")
     async def health_generate(request: Request) -> Response:
-        if not engine.is_alive:
-            return json_response(error_body("the engine stopped", "server_error", code=503), 503)
-        if engine.paused_mode is not None:
-            return json_response({"status": "ok", "paused": engine.paused_mode})
-        es = EngineStream(engine, input_ids=[[min(3, info.vocab_size - 1)]],
-                          sampling_params={"max_new_tokens": 1, "temperature": 0.0})
-        try:
-            outs = await asyncio.wait_for(es.outputs(request), timeout=30)
-        except asyncio.TimeoutError:
-            return json_response(error_body("one-token generation timed out", "server_error", code=503), 503)
-        return json_response({"status": "ok", "output_ids": outs[0].output_ids})
+        def probe() -> EngineStream:
+            return EngineStream(engine, input_ids=[[min(3, info.vocab_size - 1)]],
+                                sampling_params={"max_new_tokens": 1, "temperature": 0.0})
+
+        status, body = await generate_health.check(probe, request)
+        if status != 200:
+            return json_response(error_body(body["message"], "server_error", code=status), status)
+        return json_response(body)
 
     def model_info() -> dict:
         return {"model_path": engine.config.model_path, "tokenizer_path": engine.config.resolved_tokenizer_path,
@@ -681,7 +688,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         shown = f"[{host}]" if ":" in host else host
         print(f"rollout-serve listening on http://{shown}:{port}", flush=True)
         config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=5,
-                                access_log=args.log_level == "debug")
+                                timeout_keep_alive=args.timeout_keep_alive, access_log=args.log_level == "debug")
         server = uvicorn.Server(config)
 
         def on_engine_dead(reason: str) -> None:

@@ -7,9 +7,10 @@ import os
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
-from rollout.config import DEFAULT_MODEL_PATH, DTYPES, EngineConfig
+from rollout.config import ATTENTION_BACKENDS, DEFAULT_MODEL_PATH, DTYPES, MOE_BACKENDS, EngineConfig
 
 DEFAULT_MAX_REQUEST_BYTES = 64 * 2**20
+DEFAULT_TIMEOUT_KEEP_ALIVE = 75
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
 
@@ -36,6 +37,8 @@ class ServerArgs:
     max_capture_buffer_rows: Optional[int] = None
     enable_profile_graph_capture: bool = False
     profile_graph_capture_dir: Optional[str] = None
+    moe_backend: Optional[str] = None
+    attention_backend: Optional[str] = None
     # ---- HTTP ----
     host: str = "127.0.0.1"
     port: int = 30000
@@ -46,6 +49,9 @@ class ServerArgs:
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     log_level: str = "info"
     enable_debug_endpoints: bool = False
+    # NOTE: well above HTTP clients' pool expiry (httpx 5 s, aiohttp 15 s): a server that closes an
+    # idle connection first races the client's next request on it
+    timeout_keep_alive: int = DEFAULT_TIMEOUT_KEEP_ALIVE
 
     def __post_init__(self) -> None:
         if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 <= self.port <= 65535:
@@ -53,6 +59,10 @@ class ServerArgs:
         if isinstance(self.max_request_bytes, bool) or not isinstance(self.max_request_bytes, int) \
                 or self.max_request_bytes < 1024:
             raise ValueError(f"max_request_bytes must be an integer >= 1024, got {self.max_request_bytes!r}")
+        if isinstance(self.timeout_keep_alive, bool) or not isinstance(self.timeout_keep_alive, int) \
+                or not 1 <= self.timeout_keep_alive <= 86400:
+            raise ValueError(f"timeout_keep_alive must be an integer in [1, 86400] (seconds), "
+                             f"got {self.timeout_keep_alive!r}")
         if self.log_level not in LOG_LEVELS:
             raise ValueError(f"log_level must be one of {LOG_LEVELS}, got {self.log_level!r}")
         for name in ("api_key", "admin_api_key"):
@@ -73,7 +83,8 @@ class ServerArgs:
             prefill_graph_token_sizes=self.prefill_graph_token_sizes, seed=self.seed,
             weight_version=self.weight_version, max_capture_buffer_rows=self.max_capture_buffer_rows,
             stream_interval=self.stream_interval, enable_profile_graph_capture=self.enable_profile_graph_capture,
-            profile_graph_capture_dir=self.profile_graph_capture_dir)
+            profile_graph_capture_dir=self.profile_graph_capture_dir, moe_backend=self.moe_backend,
+            attention_backend=self.attention_backend)
 
     @property
     def model_name(self) -> str:
@@ -128,6 +139,10 @@ class ServerArgs:
         e.add_argument("--enable-profile-graph-capture", action="store_true",
                        help="write one profiler trace per captured graph shape")
         e.add_argument("--profile-graph-capture-dir", default=None)
+        e.add_argument("--moe-backend", default=None, choices=MOE_BACKENDS,
+                       help="router and experts kernels (default: triton on CUDA, torch on CPU)")
+        e.add_argument("--attention-backend", default=None, choices=ATTENTION_BACKENDS,
+                       help="attention kernels (default: flashinfer on CUDA when installed, else triton; torch on CPU)")
         h = p.add_argument_group("server")
         h.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
         h.add_argument("--port", type=int, default=30000, help="0 picks a free port (printed at start)")
@@ -139,6 +154,8 @@ class ServerArgs:
                        help="directories /update_weights_from_disk may read (besides the model's own)")
         h.add_argument("--max-request-bytes", type=int, default=DEFAULT_MAX_REQUEST_BYTES,
                        help="larger request bodies get 413")
+        h.add_argument("--timeout-keep-alive", type=int, default=DEFAULT_TIMEOUT_KEEP_ALIVE,
+                       help="seconds an idle HTTP connection stays open (keep it above clients' pool expiry)")
         h.add_argument("--log-level", default="info", choices=LOG_LEVELS)
         h.add_argument("--enable-debug-endpoints", action="store_true", help=argparse.SUPPRESS)
         return p
@@ -161,10 +178,12 @@ class ServerArgs:
                 prefill_graph_token_sizes=tuple(ns.prefill_graph_token_sizes), seed=ns.seed,
                 weight_version=ns.weight_version, max_capture_buffer_rows=ns.max_capture_buffer_rows,
                 stream_interval=ns.stream_interval, enable_profile_graph_capture=ns.enable_profile_graph_capture,
-                profile_graph_capture_dir=ns.profile_graph_capture_dir, host=ns.host, port=ns.port,
+                profile_graph_capture_dir=ns.profile_graph_capture_dir, attention_backend=ns.attention_backend,
+                host=ns.host, port=ns.port,
                 served_model_name=ns.served_model_name, api_key=ns.api_key, admin_api_key=ns.admin_api_key,
                 allowed_weight_dirs=tuple(ns.allowed_weight_dirs), max_request_bytes=ns.max_request_bytes,
-                log_level=ns.log_level, enable_debug_endpoints=ns.enable_debug_endpoints)
+                log_level=ns.log_level, enable_debug_endpoints=ns.enable_debug_endpoints, moe_backend=ns.moe_backend,
+                timeout_keep_alive=ns.timeout_keep_alive)
         except ValueError as exc:
             parser.error(str(exc))
             raise  # unreachable: parser.error exits

@@ -25,6 +25,7 @@ DTYPES = {"float32": torch.float32, "float": torch.float32, "float16": torch.flo
 BACKENDS = ("gloo", "nccl")
 DEFAULT_GROUP_TIMEOUT_S = 300.0
 MAX_TENSORS = 1_000_000
+MAX_WEIGHT_VERSION_CHARS = 256
 
 
 class WeightUpdateError(ValueError):
@@ -116,9 +117,11 @@ class WeightUpdater:
 
     @staticmethod
     def check_common(weight_version: Any, abort_all_requests: Any) -> None:
-        if weight_version is not None and (not isinstance(weight_version, str) or len(weight_version) > 256):
-            raise WeightUpdateError(f"weight_version must be a string of at most 256 characters, "
-                                    f"got {weight_version!r}"[:300])
+        if weight_version is not None and (not isinstance(weight_version, str) or not weight_version
+                                           or len(weight_version) > MAX_WEIGHT_VERSION_CHARS
+                                           or not weight_version.isprintable()):
+            raise WeightUpdateError(f"weight_version must be a non-empty string of at most "
+                                    f"{MAX_WEIGHT_VERSION_CHARS} printable characters, got {ascii(weight_version)}"[:300])
         if not isinstance(abort_all_requests, bool):
             raise WeightUpdateError(f"abort_all_requests must be a boolean, got {abort_all_requests!r}")
 

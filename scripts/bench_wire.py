@@ -43,6 +43,8 @@ class Shape:
 SHAPES = (
     Shape("Qwen3-30B-A3B", 48, (), 8, 128),
     Shape("DeepSeek-V3", 61, (0, 1, 2), 8, 256),
+    Shape("Kimi-K2", 61, (0,), 8, 384),
+    Shape("GLM-4.5-Air", 46, (0,), 8, 128),
 )
 
 

@@ -16,14 +16,22 @@ class CoreDriver:
                                     tuple(info.moe_layer_ids)) if core.capture_enabled else None
         self.states: dict[int, RequestState] = {}
         self.outputs: dict[str, RolloutOutput] = {}
+        self.items: list = []      # everything delivered, in order (outputs, or chunks when streamed)
 
-    def add(self, req: Req) -> None:
+    def add(self, req: Req, *, stream: bool = False) -> None:
         st = RequestState(uid=req.uid, rid=req.rid, group_rid=req.rid, prompt_ids=list(req.prompt_ids),
-                          params=req.params, stream=False, stream_interval=1, return_logprob=req.return_logprob,
+                          params=req.params, stream=stream, stream_interval=1, return_logprob=req.return_logprob,
                           top_logprobs_num=req.top_logprobs_num, return_routed_experts=req.return_routed_experts,
                           routed_experts_start_len=req.routed_experts_start_len,
                           decode=lambda ids, skip: "", routing=self.routing)
-        st.sink = lambda out: self.outputs.__setitem__(out.rid, out)
+        req.emit_interval = st.emit_interval
+
+        def sink(item) -> None:
+            self.items.append(item)
+            out = getattr(item, "output", item) if stream else item
+            if out is not None:
+                self.outputs[out.rid] = out
+        st.sink = sink
         self.states[req.uid] = st
         self.core.add_request(req)
 

@@ -316,7 +316,8 @@ def test_unknown_architecture_lists_supported(tmp_path):
     with pytest.raises(ValueError, match="LlamaForCausalLM.*Qwen3MoeForCausalLM"):
         load_model(tmp_path, torch.float32)
     assert set(supported_architectures()) == {"Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM",
-                                              "MixtralForCausalLM", "OlmoeForCausalLM"}
+                                              "MixtralForCausalLM", "OlmoeForCausalLM",
+                                              "DeepseekV3ForCausalLM", "Glm4MoeForCausalLM"}
 
 
 def _rewritten_checkpoint(src, dst, edit):

@@ -115,9 +115,10 @@ def test_static_attention_grid_matches_trimmed(tiny_checkpoint):
 
 
 @pytest.mark.gpu
-def test_cuda_graph_decode_matches_eager(tiny_checkpoint):
+@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3", "glm4_moe"])   # GQA, MLA, partial rotary
+def test_cuda_graph_decode_matches_eager(tiny_checkpoint, arch):
     """On a GPU the decode buckets replay CUDA graphs (static grid, dense MoE path)."""
-    path = tiny_checkpoint("qwen3_moe")
+    path = tiny_checkpoint(arch)
     batch = prompts(3, [4, 19, 33])
     with make_engine(path, device="cuda") as engine:
         ref = engine.generate(input_ids=batch, sampling_params=GREEDY, return_logprob=True, return_routed_experts=True)
@@ -132,9 +133,10 @@ def test_cuda_graph_decode_matches_eager(tiny_checkpoint):
 
 
 @pytest.mark.gpu
-def test_cuda_graph_prefill_pieces_match_eager(tiny_checkpoint):
+@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3", "glm4_moe"])   # GQA, MLA, partial rotary
+def test_cuda_graph_prefill_pieces_match_eager(tiny_checkpoint, arch):
     """On a GPU the prefill buckets replay one CUDA graph per piece between the attention cores."""
-    path = tiny_checkpoint("qwen3_moe")
+    path = tiny_checkpoint(arch)
     batch = prompts(3, [4, 19, 33, 7, 12])
     with make_engine(path, device="cuda") as engine:
         ref = engine.generate(input_ids=batch, sampling_params=GREEDY, return_logprob=True, return_routed_experts=True)
@@ -288,7 +290,7 @@ def _scheduler_shapes(limits: ForwardShapeLimits, seed: int, num_slots: int, n_r
     for i in range(n_reqs):
         new = rng.randint(1, 12)
         prompt = [rng.randrange(3, 50) for _ in range(rng.randint(1, max(1, num_slots - new - 1)))]
-        sched.add(Req(rid=str(i), prompt_ids=prompt, params=SamplingParams(max_new_tokens=new), seed=i))
+        sched.add(Req(uid=i, rid=str(i), prompt_ids=prompt, params=SamplingParams(max_new_tokens=new), seed=i))
     shapes = []
     for _ in range(2000):
         batch = sched.schedule()

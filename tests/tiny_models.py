@@ -6,7 +6,8 @@ from pathlib import Path
 import pytest
 import torch
 
-ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
+ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")   # softmax routers (tests/test_models.py)
+GROUPED_ARCHS = ("deepseek_v3", "glm4_moe")               # sigmoid + correction bias (tests/test_deepseek_glm.py)
 
 _COMMON = dict(vocab_size=256, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
                num_key_value_heads=2, max_position_embeddings=512, bos_token_id=1, eos_token_id=2,
@@ -21,21 +22,34 @@ _PER_ARCH = {
     "mixtral": dict(intermediate_size=32, num_local_experts=8, num_experts_per_tok=2),
     "olmoe": dict(intermediate_size=32, num_experts=8, num_experts_per_tok=2, clip_qkv=2.5,
                   norm_topk_prob=False),
+    # MLA (q_lora, YaRN with mscale), 16 experts in 4 groups of which 2 are eligible, layer 0 dense
+    "deepseek_v3": dict(intermediate_size=96, moe_intermediate_size=32, n_routed_experts=16, num_experts_per_tok=4,
+                        n_group=4, topk_group=2, n_shared_experts=1, first_k_dense_replace=1,
+                        routed_scaling_factor=2.5, q_lora_rank=48, kv_lora_rank=32, qk_nope_head_dim=16,
+                        qk_rope_head_dim=8, v_head_dim=16, num_key_value_heads=4,
+                        rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128,
+                                      "mscale": 1.0, "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1}),
+    # GQA with partial rotary, per-head q/k norm, q/k/v bias, 16 experts in 4 groups (2 eligible)
+    "glm4_moe": dict(head_dim=32, intermediate_size=96, moe_intermediate_size=32, n_routed_experts=16,
+                     num_experts_per_tok=4, n_group=4, topk_group=2, n_shared_experts=1, first_k_dense_replace=1,
+                     routed_scaling_factor=1.5, partial_rotary_factor=0.5, use_qk_norm=True, attention_bias=True),
 }
 
 
 def tiny_config(arch: str, **overrides):
-    from transformers import MixtralConfig, OlmoeConfig, Qwen2MoeConfig, Qwen3MoeConfig
+    from transformers import (DeepseekV3Config, Glm4MoeConfig, MixtralConfig, OlmoeConfig, Qwen2MoeConfig,
+                              Qwen3MoeConfig)
 
     classes = {"qwen3_moe": Qwen3MoeConfig, "qwen2_moe": Qwen2MoeConfig,
-               "mixtral": MixtralConfig, "olmoe": OlmoeConfig}
+               "mixtral": MixtralConfig, "olmoe": OlmoeConfig,
+               "deepseek_v3": DeepseekV3Config, "glm4_moe": Glm4MoeConfig}
     if arch not in classes:
-        raise ValueError(f"unknown tiny arch {arch!r}; choose from {ARCHS}")
+        raise ValueError(f"unknown tiny arch {arch!r}; choose from {ARCHS + GROUPED_ARCHS}")
     return classes[arch](**{**_COMMON, **_PER_ARCH[arch], **overrides})
 
 
 def make_tiny_checkpoint(arch: str, path: str | Path, seed: int = 0, std: float = 0.15,
-                         max_shard_size: str | None = None, **overrides) -> Path:
+                         max_shard_size: str | None = None, bias_std: float = 0.1, **overrides) -> Path:
     """Save a tiny random `arch` model with save_pretrained (safetensors) + generation_config.
 
     Every parameter is redrawn (norm weights around 1, biases small) so that routing, norms and
@@ -56,6 +70,9 @@ def make_tiny_checkpoint(arch: str, path: str | Path, seed: int = 0, std: float 
                 p.copy_(0.1 * noise)
             else:
                 p.copy_(std * noise)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):   # nonzero: it changes some tokens' choice
+                b.copy_(bias_std * torch.randn(b.shape, generator=gen))
     model.generation_config = GenerationConfig(bos_token_id=1, eos_token_id=[2, 3], pad_token_id=0)
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(path, safe_serialization=True, **kwargs)

@@ -20,6 +20,10 @@ Behaviour:
   client is paused (``pause``) it sends nothing new. ``abort`` aborts this client's requests in
   flight: they resolve as partial samples (``meta["finish_reason"] == "abort"``), never retried
   (requests not yet sent are not affected: cancel the ``generate_*`` task to drop them).
+- A request that fails before any response byte (a pooled connection the server closed just as
+  the request was written: ``RemoteProtocolError``/``ReadError``/``WriteError``/``ConnectError``)
+  is sent again at once on a fresh connection (same ``rid``), up to ``STALE_CONNECTION_RETRIES``
+  times, without counting as a failed attempt.
 - Streaming (``stream=True``): SSE chunks are assembled (tokens, logprobs and the routing rows that
   became final in each chunk); a stream cut off mid-way is retried like any failed request.
 - Routing is decoded with ``capture.codec`` into ``[T - 1, num_layers, top_k]`` int32 tensors and
@@ -51,6 +55,11 @@ __all__ = ["RolloutClient", "ModelInfo", "RolloutError", "NoServerError", "Sampl
 ROUTING_FORMATS = ("compact", "int32")
 _RETRY_STATUS = {500, 502, 503, 504}
 _TRANSPORT_ERRORS = (httpx.TransportError,)  # connect/read/write errors, protocol errors, timeouts
+# NOTE: a pooled keep-alive connection that the server closes just as a request is written to it
+# fails with one of these before any response byte; the request is then sent again at once.
+_STALE_CONNECTION_ERRORS = (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError, httpx.ConnectError)
+STALE_CONNECTION_RETRIES = 2
+ABORT_BEFORE_PREFILL = "Abort before prefill"
 
 
 class RolloutError(RuntimeError):
@@ -186,6 +195,7 @@ class RolloutClient:
         self._aborted: set[str] = set()
         self._pending: set[str] = set()  # rids of every unresolved request of this client
         self.resubmitted = 0  # requests sent again after an abort this client did not ask for
+        self.stale_retries = 0  # requests sent again after failing before any response byte
 
     # ---- lifecycle ---------------------------------------------------------------------------
     async def __aenter__(self) -> "RolloutClient":
@@ -197,8 +207,8 @@ class RolloutClient:
 
     async def start(self) -> "RolloutClient":
         if self._http is None:
-            # NOTE: keep-alive expiry below the server's (uvicorn: 5 s) so that an idle pooled
-            # connection is dropped here before the server closes it under a new request.
+            # NOTE: keep-alive expiry below the server's (--timeout-keep-alive, 75 s by default) so
+            # that an idle pooled connection is dropped here before the server closes it.
             limits = httpx.Limits(max_connections=self.max_concurrency + 16,
                                   max_keepalive_connections=self.max_concurrency + 16, keepalive_expiry=2.0)
             self._http = httpx.AsyncClient(timeout=httpx.Timeout(self.timeout, connect=self.connect_timeout),
@@ -485,12 +495,29 @@ class RolloutClient:
             raise _ServerFailed(f"HTTP 400: {text[:200]}", dead=False)
         raise RequestRejected(f"request {req.rid!r} rejected by {server.url}: HTTP {status}: {text[:500]}")
 
+    async def _open(self, server: ServerState, body: bytes) -> httpx.Response:
+        """POSTs /generate; returns the response as soon as its headers arrived (the caller reads
+        and closes it). Failures before any response byte are retried on a fresh connection."""
+        request = self._http.build_request("POST", server.url + "/generate", content=body,
+                                           headers={**self._headers(), "Content-Type": "application/json"})
+        for retry in range(STALE_CONNECTION_RETRIES + 1):
+            try:
+                return await self._http.send(request, stream=True)
+            except _STALE_CONNECTION_ERRORS:
+                if retry == STALE_CONNECTION_RETRIES:
+                    raise
+                self.stale_retries += 1
+        raise AssertionError("unreachable")
+
     async def _post(self, server: ServerState, req: Request) -> tuple[dict, int]:
         body = json.dumps(self._body(req)).encode()
         server.bytes_out += len(body)
         try:
-            r = await self._http.post(server.url + "/generate", content=body,
-                                      headers={**self._headers(), "Content-Type": "application/json"})
+            r = await self._open(server, body)
+            try:
+                await r.aread()
+            finally:
+                await r.aclose()
         except httpx.TimeoutException as exc:
             await self._abort_quietly(server, req.rid)
             raise _ServerFailed(f"timed out ({type(exc).__name__})", dead=False) from None
@@ -519,8 +546,8 @@ class RolloutClient:
         text_parts: list[str] = []
         nbytes = 0
         try:
-            async with self._http.stream("POST", server.url + "/generate", content=body,
-                                         headers={**self._headers(), "Content-Type": "application/json"}) as r:
+            r = await self._open(server, body)
+            try:
                 if r.status_code >= 400:
                     await r.aread()
                     self._check_status(server, req, r.status_code, r.text)
@@ -548,6 +575,8 @@ class RolloutClient:
                         next_row += chunk.shape[0]
                     if meta.get("finish_reason") is not None:
                         final = ev
+            finally:
+                await r.aclose()
         except httpx.TimeoutException as exc:
             await self._abort_quietly(server, req.rid)
             raise _ServerFailed(f"stream timed out ({type(exc).__name__})", dead=False) from None
@@ -603,6 +632,10 @@ class RolloutClient:
             raise SampleError(f"{who}: malformed response ({type(exc).__name__}: {exc})") from None
         if meta.get("id") not in (None, req.rid):
             raise SampleError(f"{who}: response is for rid {meta.get('id')!r}")
+        if finish_type == "abort" and isinstance(finish, dict) and finish.get("err_type"):
+            # NOTE: the server failed the request (e.g. non-finite logits): a failed attempt, not a pause
+            raise _ServerFailed(f"request aborted by a server error: {str(finish.get('message'))[:200]}",
+                                dead=False)
         if finish_type == "abort" and req.rid not in self._aborted:
             raise _Aborted()
         self._aborted.discard(req.rid)
@@ -617,6 +650,9 @@ class RolloutClient:
         if self.return_routed_experts:
             if "_routing" in out:
                 routed = out["_routing"]
+            elif finish_type == "abort" and not output_ids and isinstance(finish, dict) \
+                    and finish.get("message") == ABORT_BEFORE_PREFILL:
+                routed = None   # NOTE: aborted before any KV was computed: no routing row exists
             elif meta.get("routed_experts") is not None:
                 routing_bytes = len(meta["routed_experts"])
                 routed = self._decode_routing(meta["routed_experts"], req, server)

@@ -11,10 +11,14 @@
             probabilities at the replayed ids (OLMoE, Qwen2-MoE with ``norm_topk_prob=False``,
             DeepSpeed top-1). Gathering from the full softmax (never from probabilities zeroed
             outside the live top-k) keeps gradients flowing to every replayed expert's router row.
+            Sigmoid routers (DeepSeek-V3, GLM-4.5): the *unbiased* sigmoid scores at the replayed
+            ids, divided by their sum when ``norm_topk_prob``, times ``routed_scaling_factor``; the
+            ``e_score_correction_bias`` only ever chose experts, so replay never reads it (it is
+            a load-balancing statistic, not trained by gradient).
 
 Supported routers: transformers 5.x ``Qwen3MoeTopKRouter``, ``Qwen2MoeTopKRouter``,
-``MixtralTopKRouter``, ``OlmoeTopKRouter`` (a forward hook replaces the (weights, ids) part of the
-router's output; logits are untouched), and DeepSpeed ``TopKGate`` anywhere in an ``nn.Module``
+``MixtralTopKRouter``, ``OlmoeTopKRouter``, ``DeepseekV3TopkRouter``, ``Glm4MoeTopkRouter`` (a
+forward hook replaces the (weights, ids) part of the router's output; logits are untouched), and DeepSpeed ``TopKGate`` anywhere in an ``nn.Module``
 (a scoped instance-level patch of its ``forward``, see ``trainer_bridge.ds_gating``). Hooks and
 patches are installed on ``__enter__`` and removed on ``__exit__``.
 
@@ -57,7 +61,11 @@ _HF_ROUTERS = {
     "Qwen2MoeTopKRouter": lambda m: bool(m.norm_topk_prob),
     "OlmoeTopKRouter": lambda m: bool(m.norm_topk_prob),
     "MixtralTopKRouter": lambda m: True,
+    "DeepseekV3TopkRouter": lambda m: bool(m.norm_topk_prob),
+    "Glm4MoeTopkRouter": lambda m: bool(m.norm_topk_prob),
 }
+# routers whose weights are sigmoid scores times routed_scaling_factor (grouped, bias-chosen ids)
+_SIGMOID_ROUTERS = ("DeepseekV3TopkRouter", "Glm4MoeTopkRouter")
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
 
 
@@ -117,6 +125,7 @@ class _Router:
     renormalize: bool
     top_k: int
     num_experts: int
+    scaling: Optional[float] = None  # sigmoid routers: routed_scaling_factor; None: softmax rule
     handle: object = None
     ids: Optional[torch.Tensor] = None  # [num_tokens, top_k] int64, replayed ids of this layer
     live: Optional[torch.Tensor] = None  # [tokens, top_k] live top-k of the last forward call
@@ -148,6 +157,16 @@ def _gate_weights(logits: torch.Tensor, ids: torch.Tensor, renormalize: bool) ->
     if renormalize:
         weights /= weights.sum(dim=-1, keepdim=True)
     return weights
+
+
+def _sigmoid_gate_weights(logits: torch.Tensor, ids: torch.Tensor, renormalize: bool,
+                          scaling: float) -> torch.Tensor:
+    """[tokens, top_k] DeepSeek-V3 / GLM-4.5 gate weights of the replayed ids: unbiased sigmoid
+    scores (fp32), optionally normalised, times routed_scaling_factor; transformers' op sequence."""
+    weights = logits.float().sigmoid().gather(1, ids)
+    if renormalize:
+        weights /= weights.sum(dim=-1, keepdim=True) + 1e-20
+    return weights * scaling
 
 
 def _find_config(model: nn.Module):
@@ -188,7 +207,8 @@ def _discover(model: nn.Module) -> tuple[list[_Router], int]:
                                    num_experts=int(m.wg.weight.shape[0])))
         else:
             routers.append(_Router(m, name, layer, "hf", renormalize=_HF_ROUTERS[kind](m),
-                                   top_k=int(m.top_k), num_experts=int(m.num_experts)))
+                                   top_k=int(m.top_k), num_experts=int(m.num_experts),
+                                   scaling=float(m.routed_scaling_factor) if kind in _SIGMOID_ROUTERS else None))
     ks = {r.top_k for r in routers}
     es = {r.num_experts for r in routers}
     if len(ks) != 1 or len(es) != 1:
@@ -389,6 +409,10 @@ class RouterReplay:
             if self.mode != "replay":
                 return None
             ids = r.replay_ids(logits.shape[0], logits.device)
-            weights = _gate_weights(logits, ids, r.renormalize).to(live_w.dtype)
+            if r.scaling is None:
+                weights = _gate_weights(logits, ids, r.renormalize)
+            else:
+                weights = _sigmoid_gate_weights(logits, ids, r.renormalize, r.scaling)
+            weights = weights.to(live_w.dtype)
             return logits, weights, ids
         return hook

@@ -129,6 +129,7 @@ class StepSync:
 class EngineLoop:
     IDLE_WAIT_S = 0.5         # single rank: how long an idle loop blocks on its inbox at a time
     DP_IDLE_WAIT_S = 0.005    # DP: idle ranks meet this often (a new request waits at most this)
+    HEARTBEAT_S = 0.05        # a working engine reports its step count at least this often
 
     def __init__(self, core: EngineCore, endpoint: EngineEndpoint, *, sync: Optional[StepSync] = None,
                  alive: Callable[[], bool] = lambda: True):
@@ -139,6 +140,8 @@ class EngineLoop:
         self.commands = EngineCommands(core)
         self.stopping = False
         self.last_step_time = time.time()
+        self.steps = 0
+        self._last_sent = 0.0
 
     def _handle(self, msg: ToEngine, replies: list[Reply]) -> None:
         if isinstance(msg, AddReqs):
@@ -184,13 +187,16 @@ class EngineLoop:
                 return
             if work:
                 core.step()
+                self.steps += 1
                 self.last_step_time = time.time()
-            self._send(replies)
+            self._send(replies, stepped=work)
             if sync is None and not work and not self.alive():
                 return
 
-    def _send(self, replies: list[Reply]) -> None:
+    def _send(self, replies: list[Reply], stepped: bool = False) -> None:
         updates = self.core.take_updates()
-        if updates or replies:
+        now = time.monotonic()
+        if updates or replies or (stepped and now - self._last_sent >= self.HEARTBEAT_S):
+            self._last_sent = now
             self.endpoint.send(StepOut(updates=updates, replies=replies, has_work=self.core.has_work(),
-                                       step_time=self.last_step_time))
+                                       step_time=self.last_step_time, steps=self.steps))

@@ -38,6 +38,10 @@ class EngineClient(Protocol):
         """time.time() of the latest finished step (any rank)."""
 
     @property
+    def steps_done(self) -> int:
+        """Steps the engine finished (as last reported; at least every 50 ms while it works)."""
+
+    @property
     def busy(self) -> bool:
         """Whether any rank reported work after its latest step."""
 

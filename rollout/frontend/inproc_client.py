@@ -55,6 +55,7 @@ class InprocClient:
         self._call_ids = itertools.count(1)
         self._busy = False
         self._step_time = time.time()
+        self.steps_done = 0
         self._endpoint = _QueueEndpoint(self)
         ready: Future = Future()
         self._thread = threading.Thread(target=self._run, args=(cfg, ready), name="rollout-engine", daemon=True)
@@ -82,6 +83,7 @@ class InprocClient:
     def _absorb(self, msg: StepOut) -> None:
         self._busy = msg.has_work
         self._step_time = msg.step_time
+        self.steps_done = msg.steps
         if msg.updates:
             self._on_updates(msg.updates)
         for reply in msg.replies:

@@ -100,6 +100,7 @@ class ProcessClient:
         self._load = [0] * self.dp_size
         self._busy = [False] * self.dp_size
         self._step_time = [time.time()] * self.dp_size
+        self._steps = [0] * self.dp_size
         self._closed = False
         self._ctx = zmq.Context()
         self._dir = IpcDirectory()
@@ -198,6 +199,7 @@ class ProcessClient:
     def _absorb(self, rank: int, msg: StepOut) -> None:
         self._busy[rank] = msg.has_work
         self._step_time[rank] = msg.step_time
+        self._steps[rank] = msg.steps
         if msg.updates:
             with self._lock:
                 for upd in msg.updates:
@@ -264,6 +266,10 @@ class ProcessClient:
     @property
     def busy(self) -> bool:
         return any(self._busy)
+
+    @property
+    def steps_done(self) -> int:
+        return max(self._steps)
 
     def pids(self) -> list[int]:
         return [p.pid for p in self._procs]

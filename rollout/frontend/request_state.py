@@ -50,6 +50,7 @@ class RequestState:
         self.top: list[list[tuple[float, int]]] = []
         self.rows: list[np.ndarray] = []       # routing parts, [n, L, K] each
         self.num_rows = 0
+        self.routed = False    # whether the engine sent routing (not for an abort before any KV was computed)
         self.sent_tokens = 0
         self.sent_text_len = 0
         self.sent_rows = 0
@@ -73,6 +74,7 @@ class RequestState:
             t_lps = np.frombuffer(upd.top_logprobs, dtype=np.float32).reshape(-1, upd.top_n).tolist()
             tops = [list(zip(a, b)) for a, b in zip(t_lps, t_ids)]
         if upd.routing is not None and self.routing is not None:
+            self.routed = True
             r = self.routing
             part = np.frombuffer(upd.routing, dtype=np.dtype(upd.routing_dtype)).reshape(-1, r.num_layers, r.top_k)
             if part.shape[0]:
@@ -97,7 +99,9 @@ class RequestState:
             reason = FinishReason("stop", matched=hit)
             return self._finish(reason, upd), True
         if upd.finished:
-            return self._finish(FinishReason(upd.finish_type, upd.finish_matched, upd.finish_message), upd), False
+            reason = FinishReason(upd.finish_type, upd.finish_matched, upd.finish_message, upd.finish_err_type,
+                                  upd.finish_status_code)
+            return self._finish(reason, upd), False
         if self.stream and self.detok is not None and not self.params.stop:
             self.detok.step(self.output_ids)
         if self.stream and len(self.output_ids) - self.sent_tokens >= self.interval:
@@ -111,7 +115,7 @@ class RequestState:
         self.rows, self.num_rows = [rows], rows.shape[0]
 
     def _routing_tensor(self, lo: int) -> Optional[torch.Tensor]:
-        if self.routing is None:
+        if self.routing is None or not self.routed:
             return None
         r = self.routing
         rows = np.concatenate(self.rows)[lo:] if self.rows else np.empty((0, r.num_layers, r.top_k), np.int16)

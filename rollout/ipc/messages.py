@@ -64,6 +64,8 @@ class ReqUpdate(msgspec.Struct, kw_only=True, array_like=True, omit_defaults=Tru
     finish_type: Optional[str] = None    # "stop" | "length" | "abort"
     finish_matched: Union[int, str, None] = None
     finish_message: Optional[str] = None
+    finish_err_type: Optional[str] = None     # a server-side failure's abort (SGLang's FINISH_ABORT fields)
+    finish_status_code: Optional[int] = None
     cached_tokens: int = 0
     num_retractions: int = 0
     weight_version: str = ""
@@ -86,6 +88,7 @@ class StepOut(msgspec.Struct, tag=True, array_like=True, omit_defaults=True):
     replies: list[Reply] = []
     has_work: bool = False
     step_time: float = 0.0               # wall clock of the last finished step (time.time())
+    steps: int = 0                       # steps this rank finished so far
 
 
 class Fatal(msgspec.Struct, tag=True, array_like=True):

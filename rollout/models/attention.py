@@ -37,7 +37,14 @@ class PagedAttention(nn.Module):
         fb.kv_pool.write(self.layer_id, fb.out_cache_loc, k, v)
 
     def attend(self, q: torch.Tensor, fb: ForwardBatch, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """q [N, H, D] over the KV already in the pool -> [N, H*D] (the step's own attention grid)."""
+        """q [N, H, D] over the KV already in the pool -> [N, H*D], through the engine's attention
+        backend (fb.attention: Triton or FlashInfer kernels) or, without one, torch."""
+        if fb.attention is not None:
+            return fb.attention.attend(self, q, fb, attn_mask)
+        return self.torch_attend(q, fb, attn_mask)
+
+    def torch_attend(self, q: torch.Tensor, fb: ForwardBatch, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """The torch path (and every kernel's reference): SDPA over the step's own attention grid."""
         if fb.cascade is not None and attn_mask is None:
             return fb.cascade.attend(q, fb.kv_pool.kv_buffers[self.layer_id], self.scale)
         mask = fb.attn_mask if attn_mask is None else attn_mask              # [B, 1, E, S]

@@ -34,7 +34,7 @@ class MoeCausalLM(nn.Module):
         # the checkpoint's lm_head.weight, if any, is ignored, as HF does.
         if not spec.tie_word_embeddings:
             self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
-        self.rotary = RotaryEmbedding(spec.head_dim, spec.rope_theta)
+        self.rotary = RotaryEmbedding(spec.rotary_dim, spec.rope_theta, spec.rope_scaling)
 
     @classmethod
     def spec_from_config(cls, cfg: dict, generation_config: dict | None = None) -> ModelSpec:
@@ -73,7 +73,7 @@ class MoeCausalLM(nn.Module):
 
     # The parts of forward, for runners that run it piecewise (see runners/piecewise_backend.py).
     def embed(self, fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """-> hidden states [N, hidden] and RoPE cos, sin [N, 1, head_dim]."""
+        """-> hidden states [N, hidden] and RoPE cos, sin [N, 1, spec.rotary_dim]."""
         x = self.model.embed_tokens(fb.input_ids)                           # [N, hidden]
         cos, sin = self.rotary.cos_sin(fb.positions, x.dtype)               # [N, 1, D] x2
         return x, cos, sin

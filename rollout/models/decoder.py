@@ -7,7 +7,9 @@ from torch import nn
 from rollout.forward_batch import ForwardBatch
 from rollout.models.attention import PagedAttention
 from rollout.models.layers import GatedMLP, RMSNorm, RotaryEmbedding
+from rollout.models.mla_attention import MLASelfAttention
 from rollout.models.moe import SparseMoE
+from rollout.models.sigmoid_moe import GroupedSigmoidMoE
 from rollout.models.spec import ModelSpec
 
 
@@ -36,6 +38,10 @@ class SelfAttention(nn.Module):
         """x [N, hidden] -> [N, hidden]."""
         return self.o_proj(self.attn.attend(self.project(x, cos, sin, fb), fb, attn_mask))
 
+    def output(self, attn: torch.Tensor) -> torch.Tensor:
+        """attn [N, H*D] (attention core output) -> [N, hidden]."""
+        return self.o_proj(attn)
+
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         """x [N, hidden] -> q [N, H, D] (normed, rotated); this forward's k/v go into the KV pool."""
         n = x.shape[0]
@@ -59,11 +65,13 @@ class DecoderLayer(nn.Module):
     def __init__(self, spec: ModelSpec, layer_id: int):
         super().__init__()
         self.layer_id = layer_id
-        self.self_attn = SelfAttention(spec, layer_id)
+        self.self_attn = MLASelfAttention(spec, layer_id) if spec.mla is not None else SelfAttention(spec, layer_id)
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.is_moe = layer_id in spec.moe_layer_ids
-        if self.is_moe:
+        if self.is_moe and spec.scoring == "sigmoid":
+            self.mlp = GroupedSigmoidMoE(spec, layer_id)
+        elif self.is_moe:
             self.mlp = SparseMoE(layer_id=layer_id, hidden_size=spec.hidden_size,
                                  intermediate_size=spec.moe_intermediate_size,
                                  num_experts=spec.num_experts, top_k=spec.top_k,
@@ -81,11 +89,11 @@ class DecoderLayer(nn.Module):
     # The three parts of forward, for runners that cut the forward at the attention core (prefill
     # CUDA graphs): attention_input and finish are token-wise; only attend needs the step's grid.
     def attention_input(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
-        """x [N, hidden] -> q [N, H, D]; writes this layer's k/v into the KV pool."""
+        """x [N, hidden] -> q [N, H, D]; writes this layer's KV into the KV pool."""
         return self.self_attn.project(self.input_layernorm(x), cos, sin, fb)
 
     def finish(self, x: torch.Tensor, attn: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         """x [N, hidden] (the layer's input), attn [N, H*D] (attention core output) -> [N, hidden]."""
-        x = x + self.self_attn.o_proj(attn)
+        x = x + self.self_attn.output(attn)
         h = self.post_attention_layernorm(x)
         return x + (self.mlp(h, fb) if self.is_moe else self.mlp(h))

@@ -22,25 +22,36 @@ class RMSNorm(nn.Module):
 
 
 class RotaryEmbedding(nn.Module):
-    """Default (NeoX, rotate-half) RoPE. No persistent state, so it survives meta-device init."""
+    """NeoX (rotate-half) RoPE over the first head_dim dims, optionally YaRN-scaled
+    (rope_scaling.YarnScaling). No persistent state, so it survives meta-device init."""
 
-    def __init__(self, head_dim: int, theta: float):
+    def __init__(self, head_dim: int, theta: float, scaling=None):
         super().__init__()
         assert head_dim % 2 == 0, head_dim
         self.head_dim = head_dim
         self.theta = theta
+        self.scaling = scaling
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [N] -> cos, sin [N, 1, head_dim] in dtype (fp32 math, like HF)."""
         d = self.head_dim
-        inv_freq = 1.0 / (self.theta ** (torch.arange(0, d, 2, dtype=torch.float, device=positions.device) / d))
+        if self.scaling is None:
+            inv_freq = 1.0 / (self.theta ** (torch.arange(0, d, 2, dtype=torch.float, device=positions.device) / d))
+        else:
+            inv_freq = self.scaling.inv_freq(d, self.theta, positions.device)
         freqs = positions[:, None].float() * inv_freq[None, :]           # [N, d/2]
         emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]              # [N, 1, d]
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        if self.scaling is None:
+            return emb.cos().to(dtype), emb.sin().to(dtype)
+        factor = self.scaling.attention_factor
+        return (emb.cos() * factor).to(dtype), (emb.sin() * factor).to(dtype)
 
     @staticmethod
     def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x [N, heads, head_dim]."""
+        """x [N, heads, head_dim]; only the first cos.shape[-1] dims rotate (partial rotary)."""
+        rot = cos.shape[-1]
+        if rot < x.shape[-1]:
+            return torch.cat((RotaryEmbedding.apply(x[..., :rot], cos, sin), x[..., rot:]), dim=-1)
         half = x.shape[-1] // 2
         rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
         return x * cos + rotated * sin

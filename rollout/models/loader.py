@@ -20,6 +20,7 @@ _PER_EXPERT = re.compile(r"^(.+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_p
 _FUSED = re.compile(r"^(.+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
 # NOTE: some old checkpoints carry non-persistent RoPE buffers; they hold no weights.
 _IGNORED = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 _MAX_LISTED = 20
 
 
@@ -40,6 +41,9 @@ class Target:
 def resolve(model: nn.Module, hf_name: str) -> Target | None:
     """Map an HF checkpoint name to a Target; None for tensors that are known and ignored."""
     if _IGNORED.search(hf_name):
+        return None
+    skipped = getattr(getattr(model, "spec", None), "skipped_checkpoint_layers", ())
+    if skipped and (m := _LAYER.match(hf_name)) and int(m.group(1)) in skipped:
         return None
     if hf_name == "lm_head.weight" and model.spec.tie_word_embeddings:
         return None

@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from rollout.config import MOE_BACKENDS
 from rollout.forward_batch import ForwardBatch
 from rollout.models.layers import GatedMLP
 from rollout.models.topk import softmax_topk
@@ -51,7 +52,8 @@ class FusedExperts(nn.Module):
 
         Only the experts this module holds contribute (expert parallel: the other ranks add theirs).
         experts: [lo, hi) to narrow that further (default: all held). graph_safe: no host syncs
-        (CUDA graph capture). impl: force "padded", "grouped", "loop" or "dense" (default: choose_impl).
+        (CUDA graph capture). impl: force "padded", "grouped", "loop", "dense" or "triton" (the fused
+        kernels of moe_triton.py; no host sync) (default: choose_impl).
         """
         lo, hi = experts if experts is not None else (self.expert_lo, self.expert_hi)
         if not self.expert_lo <= lo <= hi <= self.expert_hi:
@@ -60,7 +62,7 @@ class FusedExperts(nn.Module):
             return torch.zeros_like(x)
         impl = impl or self.choose_impl(x, graph_safe, topk_ids.numel())
         run = {"padded": self._forward_padded, "grouped": self._forward_grouped, "loop": self._forward_loop,
-               "dense": self._forward_dense}[impl]
+               "dense": self._forward_dense, "triton": self._forward_triton}[impl]
         return run(x, topk_weights, topk_ids, lo, hi)
 
     # NOTE: on CPU torch's grouped GEMM runs one matmul per expert; up to this many (token, expert)
@@ -155,6 +157,14 @@ class FusedExperts(nn.Module):
             start += cnt
         return out
 
+    def _forward_triton(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                        lo: int, hi: int) -> torch.Tensor:
+        from rollout.models.moe_triton import fused_moe  # noqa: PLC0415  (triton only when chosen)
+
+        first = lo - self.expert_lo
+        return fused_moe(x, self.w13[first:first + hi - lo], self.w2[first:first + hi - lo], topk_weights,
+                         topk_ids, lo)
+
     def _forward_dense(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                        lo: int, hi: int) -> torch.Tensor:
         out = torch.zeros_like(x)
@@ -175,6 +185,7 @@ class SparseMoE(nn.Module):
         self.layer_id = layer_id
         self.top_k = top_k
         self.renormalize = renormalize
+        self.moe_backend = "torch"     # "triton": router and experts run the Triton kernels (set_moe_backend)
         self.gate = Router(hidden_size, num_experts)
         self.experts = FusedExperts(hidden_size, intermediate_size, num_experts)
         if shared_intermediate_size > 0:
@@ -187,9 +198,8 @@ class SparseMoE(nn.Module):
         """x [N, H] -> [N, H]."""
         ep = fb.ep_group
         if ep is None:
-            topk_weights, topk_ids = softmax_topk(self.gate(x), self.top_k, self.renormalize,
-                                                  capture=fb.capture, layer_id=self.layer_id)
-            out = self.experts(x, topk_weights, topk_ids, graph_safe=fb.graph_safe)
+            topk_weights, topk_ids = self.route(x, fb)
+            out = self.experts(x, topk_weights, topk_ids, graph_safe=fb.graph_safe, impl=self._experts_impl)
         else:
             # DP attention: route every rank's tokens (gathered by the executing runner's layout, so
             # the capture buffer rows sit where the capturer slices them), compute this rank's
@@ -197,10 +207,42 @@ class SparseMoE(nn.Module):
             assert (self.experts.expert_lo, self.experts.expert_hi) == ep.expert_range(self.experts.num_experts), \
                 "DP attention needs the model loaded with this rank's expert shard (load_model(expert_shard=...))"
             x_all = ep.gather(x, fb.layout)                                # [layout.total_rows, H]
-            topk_weights, topk_ids = softmax_topk(self.gate(x_all), self.top_k, self.renormalize,
-                                                  capture=fb.capture, layer_id=self.layer_id)
-            partial = self.experts(x_all, topk_weights, topk_ids, graph_safe=fb.graph_safe)  # own experts
+            topk_weights, topk_ids = self.route(x_all, fb)
+            partial = self.experts(x_all, topk_weights, topk_ids, graph_safe=fb.graph_safe,
+                                   impl=self._experts_impl)                # own experts
             out = ep.reduce_own(partial, fb.layout)                        # [N, H]
-        if self.shared_expert is not None:
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return out
+        shared = self.shared_output(x)
+        return out if shared is None else out + shared
+
+    @property
+    def _experts_impl(self) -> str | None:
+        return "triton" if self.moe_backend == "triton" else None
+
+    def route(self, x: torch.Tensor, fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [rows, H] -> topk_weights float32 [rows, K], topk_ids int64 [rows, K] (captured)."""
+        return self._route(self.gate(x), fb)
+
+    def shared_output(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The shared expert's part of the output [N, H] (this rank's own rows), or None."""
+        if self.shared_expert is None:
+            return None
+        return torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+
+    def _route(self, router_logits: torch.Tensor, fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.moe_backend == "triton":
+            from rollout.models.topk_triton import softmax_topk_triton  # noqa: PLC0415  (triton only when chosen)
+
+            return softmax_topk_triton(router_logits, self.top_k, self.renormalize, capture=fb.capture,
+                                       layer_id=self.layer_id)
+        return softmax_topk(router_logits, self.top_k, self.renormalize, capture=fb.capture, layer_id=self.layer_id)
+
+
+def set_moe_backend(model: nn.Module, backend: str) -> int:
+    """Makes every MoE layer of model (modules with a moe_backend) use backend ("torch" | "triton");
+    returns how many layers it set."""
+    if backend not in MOE_BACKENDS:
+        raise ValueError(f"moe_backend must be one of {MOE_BACKENDS}, got {backend!r}")
+    layers = [m for m in model.modules() if hasattr(m, "moe_backend")]
+    for m in layers:
+        m.moe_backend = backend
+    return len(layers)

@@ -14,6 +14,8 @@ _ARCHITECTURES = {
     "Qwen2MoeForCausalLM": "rollout.models.qwen2_moe:Qwen2MoeForCausalLM",
     "MixtralForCausalLM": "rollout.models.mixtral:MixtralForCausalLM",
     "OlmoeForCausalLM": "rollout.models.olmoe:OlmoeForCausalLM",
+    "DeepseekV3ForCausalLM": "rollout.models.deepseek_v3:DeepseekV3ForCausalLM",
+    "Glm4MoeForCausalLM": "rollout.models.glm4_moe:Glm4MoeForCausalLM",
 }
 
 
@@ -33,6 +35,7 @@ class ModelInfo:
     head_dim: int
     max_position_embeddings: int
     eos_token_ids: tuple[int, ...]   # config.json's, then generation_config.json's extra ones
+    kv_latent_dim: int = 0           # MLA: values per token and layer in the KV pool (0: GQA K/V)
 
     @property
     def num_moe_layers(self) -> int:

@@ -17,8 +17,10 @@ class EagerRunner:
     name = EAGER
 
     def __init__(self, *, model: torch.nn.Module, kv_pool: KVPool, device: torch.device,
-                 capture_buffer: Optional[Any] = None, ep_group: Optional[Any] = None):
+                 capture_buffer: Optional[Any] = None, ep_group: Optional[Any] = None,
+                 attention: Optional[Any] = None):
         self.model = model
+        self.attention = attention
         self.kv_pool = kv_pool
         self.device = device
         self.capture_buffer = capture_buffer
@@ -31,5 +33,7 @@ class EagerRunner:
         fb = padded_forward_batch(batch, kv_pool=self.kv_pool, device=self.device, capture=self.capture_buffer,
                                   segment_attention=True)
         fb = dataclasses.replace(fb, layout=layout, ep_group=self.ep_group)
+        if self.attention is not None:
+            fb = self.attention.bind(fb, static=False)
         logits = self.model(fb)
         return ForwardOutput(logits=logits.float(), layout=layout)

@@ -38,15 +38,16 @@ class PiecewiseBackend:
         self.uses_graphs = use_graphs
         spec = model.spec
         dtype = next(model.parameters()).dtype
-        heads, head_dim = spec.num_attention_heads, spec.head_dim
+        heads = spec.num_attention_heads
+        q_width, attn_width = spec.attention_widths     # MLA: latent-space queries and outputs
 
         def buf(*shape: int) -> torch.Tensor:
             return torch.zeros(shape, dtype=dtype, device=device)
 
         self.x = buf(max_tokens, spec.hidden_size)              # hidden states between pieces
-        self.q = buf(max_tokens, heads, head_dim)               # the next attention core's queries
-        self.attn = buf(max_tokens, heads * head_dim)           # the last attention core's output
-        self.cos, self.sin = buf(max_tokens, 1, head_dim), buf(max_tokens, 1, head_dim)
+        self.q = buf(max_tokens, heads, q_width)                # the next attention core's queries
+        self.attn = buf(max_tokens, attn_width)                 # the last attention core's output
+        self.cos, self.sin = buf(max_tokens, 1, spec.rotary_dim), buf(max_tokens, 1, spec.rotary_dim)
         self.graphs: dict[Hashable, list[torch.cuda.CUDAGraph]] = {}
         self.pool = pool or GraphMemoryPool()
 

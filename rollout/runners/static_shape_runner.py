@@ -32,7 +32,7 @@ class StaticShapeRunner:
 
     def __init__(self, *, sizes: tuple[int, ...], model: torch.nn.Module, kv_pool: KVPool, device: torch.device,
                  backend: GraphBackend, dp_size: int = 1, capture_buffer: Optional[Any] = None,
-                 ep_group: Optional[Any] = None, tokens_per_step: int = 1):
+                 ep_group: Optional[Any] = None, tokens_per_step: int = 1, attention: Optional[Any] = None):
         assert sizes, "a static-shape runner needs at least one bucket"
         self.sizes = tuple(sorted(sizes))
         self.model = model
@@ -43,6 +43,7 @@ class StaticShapeRunner:
         self.capture_buffer = capture_buffer
         self.ep_group = ep_group
         self.tokens_per_step = tokens_per_step
+        self.attention = attention
         self.inputs = {size: self.make_inputs(size) for size in self.sizes}
         self.active_variant: Variant = ()
 
@@ -63,7 +64,9 @@ class StaticShapeRunner:
         fb = padded_forward_batch(batch, kv_pool=self.kv_pool, device=self.device, capture=self.capture_buffer,
                                   pad_to=self.extent(size), pad_chunk=self.pad_chunk(batch))
         fb = self.inputs[size].load(fb)
-        return dataclasses.replace(fb, layout=layout, ep_group=self.ep_group)
+        fb = dataclasses.replace(fb, layout=layout, ep_group=self.ep_group)
+        # NOTE: bound after the load, so a backend sees (and a graph reads) only the static buffers
+        return fb if self.attention is None else self.attention.bind(fb, static=True)
 
     def forward(self, batch: Optional[Any], counts: tuple[int, ...], choice: RunnerChoice) -> ForwardOutput:
         assert choice.runner == self.name and choice.size in self.inputs, (choice, self.name, self.sizes)

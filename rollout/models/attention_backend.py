@@ -1,0 +1,114 @@
+"""Attention backends: which kernels PagedAttention.attend runs (torch, Triton or FlashInfer).
+
+torch is PagedAttention's own SDPA path (the reference); it needs no backend object. The Triton
+and FlashInfer backends are imported only when chosen, never at package import. A backend
+`bind`s each forward's ForwardBatch before the model runs (eager, or a static-shape bucket just
+loaded into its buffers, before a CUDA graph capture or replay) and then serves every layer's
+`attend`. bind must not make tensors a captured graph would read: static buckets get nothing
+but the backend itself (Triton) or plan into the wrapper's own fixed buffers (FlashInfer).
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import os
+from collections import Counter
+from typing import Any, Optional
+
+import torch
+
+from rollout.config import ATTENTION_BACKENDS
+from rollout.forward_batch import ForwardBatch
+from rollout.paged_kv_metadata import paged_kv_metadata
+
+
+def flashinfer_importable() -> bool:
+    return importlib.util.find_spec("flashinfer") is not None
+
+
+def default_attention_backend(device: str) -> str:
+    """CUDA: flashinfer when it is installed, else triton; CPU: torch."""
+    if device.startswith("cuda"):
+        return "flashinfer" if flashinfer_importable() else "triton"
+    return "torch"
+
+
+def check_attention_backend(name: str, device: str) -> None:
+    """ValueError (naming attention_backend) when this machine cannot run `name` on `device`."""
+    if name not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {name!r}")
+    cuda = device.startswith("cuda")
+    if name == "flashinfer":
+        if not cuda:
+            raise ValueError(f"attention_backend='flashinfer' needs a CUDA device, got device={device!r}; "
+                             f"allowed on CPU: 'torch', or 'triton' under TRITON_INTERPRET=1")
+        if not flashinfer_importable():
+            raise ValueError("attention_backend='flashinfer' but flashinfer is not installed "
+                             "(pip install flashinfer-python, or choose 'triton' or 'torch')")
+    if name == "triton":
+        if importlib.util.find_spec("triton") is None:
+            raise ValueError("attention_backend='triton' but triton is not installed (choose 'torch')")
+        if not cuda and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError(f"attention_backend='triton' on device={device!r} runs only under the Triton "
+                             f"interpreter (set TRITON_INTERPRET=1 before starting); allowed on CPU: 'torch'")
+
+
+class TritonAttentionBackend:
+    """The Triton kernels: split-KV decode, extend (prefill over cached prefixes) and, for an
+    eager decode step whose requests share prefixes, the cascade."""
+
+    name = "triton"
+
+    def __init__(self, *, num_splits: Optional[int] = None):
+        self.num_splits = num_splits   # decode splits over the KV length; None: by device and batch
+        # layer calls per path ("decode", "extend", "cascade"); Python calls, so under CUDA graphs
+        # only the captures count
+        self.calls: Counter = Counter()
+
+    def bind(self, fb: ForwardBatch, *, static: bool) -> ForwardBatch:
+        plan = None
+        if not static and fb.prefix_groups and fb.max_extend == 1:
+            meta = paged_kv_metadata(extend_lens=[1] * fb.batch_size, seq_lens=fb.seq_lens.tolist(),
+                                     kv_indices=fb.kv_indices, prefix_groups=fb.prefix_groups,
+                                     device=fb.kv_indices.device)
+            plan = meta if meta.is_cascade else None
+        return dataclasses.replace(fb, attention=self, attention_plan=plan)
+
+    def attend(self, attn: Any, q: torch.Tensor, fb: ForwardBatch, attn_mask: Optional[torch.Tensor]) -> torch.Tensor:
+        """attn: the layer's PagedAttention; attn_mask given only for sliding-window layers."""
+        from rollout.cascade_attention_kernel import cascade_decode_attention  # noqa: PLC0415
+        from rollout.models.decode_attention_kernel import decode_attention  # noqa: PLC0415
+        from rollout.models.extend_attention_kernel import extend_attention  # noqa: PLC0415
+
+        kv = fb.kv_pool.kv_buffers[attn.layer_id]
+        window = attn.sliding_window if attn_mask is not None else None
+        if fb.num_tokens == 0:
+            return q.new_zeros(0, q.shape[1] * q.shape[2])
+        if fb.attention_plan is not None and window is None:
+            self.calls["cascade"] += 1
+            return cascade_decode_attention(q, kv, fb.attention_plan, scale=attn.scale, num_splits=self.num_splits)
+        if fb.max_extend == 1:
+            self.calls["decode"] += 1
+            return decode_attention(q, kv, fb.kv_indices, fb.seq_lens, scale=attn.scale, window=window,
+                                    num_splits=self.num_splits)
+        self.calls["extend"] += 1
+        return extend_attention(q, kv, fb.kv_indices, fb.extend_lens, fb.seq_lens, max_extend=fb.max_extend,
+                                scale=attn.scale, window=window)
+
+
+def make_attention_backend(name: str, *, device: torch.device, model: torch.nn.Module) -> Optional[Any]:
+    """The backend object ModelRunner binds into each forward; None for torch."""
+    check_attention_backend(name, str(device))
+    if name == "torch" or getattr(model.spec, "mla", None) is not None:
+        # NOTE: the kernels are built for the GQA pool layout; MLA layers (latent_attention.py)
+        # always attend with torch over the latent pool, so nothing is bound for them.
+        return None
+    if name == "triton":
+        return TritonAttentionBackend()
+    from rollout.models.flashinfer_backend import FlashInferAttentionBackend  # noqa: PLC0415
+
+    spec = model.spec
+    windows = {spec.sliding_window(i) for i in range(spec.num_hidden_layers)}
+    return FlashInferAttentionBackend(device=device, num_heads=spec.num_attention_heads,
+                                      num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
+                                      windows=windows, dtype=next(model.parameters()).dtype)

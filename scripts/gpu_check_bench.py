@@ -1,0 +1,114 @@
+"""Section 2 of scripts/gpu_check.py: the benchmark (engine vs transformers, decode step vs the
+HBM limit, capture on/off, FlashInfer where it imports). Every measurement is guarded and every
+engine is freed before the next one is built."""
+from __future__ import annotations
+
+import gc
+import importlib.util
+import time
+
+import torch
+
+import gpu_bench_model as bench
+
+
+def _free(device: str) -> None:
+    gc.collect()
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+
+
+def _status(ok: bool) -> str:
+    return "ok" if ok else "below target"
+
+
+def run_benchmark(report, smoke: bool, device: str, deadline: float, workdir: str) -> None:
+    from gpu_check import guarded  # noqa: PLC0415
+
+    shape = bench.SMOKE if smoke else bench.QWEN3_30B_A3B
+    dtype = torch.float32 if smoke else torch.bfloat16
+    sec = "benchmark"
+    t0 = time.time()
+    hf, ours, cfg, model_dir = bench.build_models(shape, device, dtype, workdir)
+    params = sum(p.numel() for p in ours.parameters())
+    report.add(sec, "model", f"Qwen3-MoE {shape.layers}L h{shape.hidden} E{shape.experts} top{shape.top_k} "
+               f"{params / 1e9:.2f}B params {str(dtype).removeprefix('torch.')}, random, built in "
+               f"{time.time() - t0:.1f} s")
+    if smoke:
+        work = dict(prompts=1, samples=8, prompt_lens=(12, 20), new_tokens=(2, 6))
+        decode_batches, decode_prompt, decode_steps = (1, 4, 8), 16, 3
+        engine = dict(max_running_requests=8, chunked_prefill_size=64, max_total_tokens=1024, context_length=256,
+                      decode_graph_batch_sizes=(1, 2, 4, 8), prefill_graph_token_sizes=(32, 64))
+    else:
+        work = dict(prompts=16, samples=8, prompt_lens=(200, 400), new_tokens=(32, 256))
+        decode_batches, decode_prompt, decode_steps = (1, 64, 256), 512, 10
+        engine = dict(max_running_requests=256, chunked_prefill_size=8192, max_total_tokens=256 * 640,
+                      context_length=2048, decode_graph_batch_sizes=(1, 2, 4, 8, 16, 32, 64, 96, 128, 192, 256),
+                      prefill_graph_token_sizes=(1024, 4096, 8192))
+    engine.update(device=device, dtype="float32" if smoke else "bfloat16")
+    batch = bench.rl_batch(shape.vocab, **work)
+    kv_per_token = 2 * shape.layers * shape.kv_heads * shape.head_dim * torch.empty((), dtype=dtype).element_size()
+    rl_name = f"RL batch {work['prompts']}x{work['samples']}, prompts {work['prompt_lens']}, new {work['new_tokens']}"
+    results: dict = {}
+
+    def engine_runs(backend: str, capture: bool, decode: bool) -> None:
+        if time.time() > deadline - 60:
+            report.add(sec, f"{backend} capture={'on' if capture else 'off'}", "skipped: time budget", status="skipped")
+            return
+        t = time.time()
+        core = bench.make_core(ours, cfg, model_dir, attention_backend=backend,
+                               enable_return_routed_experts=capture, **engine)
+        tag = f"{backend}, capture {'on' if capture else 'off'}"
+        report.add(sec, f"engine start seconds ({tag}; CUDA graphs {'captured' if not smoke else 'n/a on CPU'})",
+                   round(time.time() - t, 1))
+        try:
+            bench.run_engine(core, batch[:2], device, capture)                 # warm-up (compiles kernels)
+            r = bench.run_engine(core, batch, device, capture)
+            results[(backend, capture)] = max(results.get((backend, capture), 0.0), r["tok_per_s"])
+            report.add(sec, f"{rl_name}: output tok/s ({tag})", round(r["tok_per_s"], 1), "",
+                       f"{r['tokens']} tokens in {r['seconds']:.2f} s")
+            for b in decode_batches if decode else ():
+                if time.time() > deadline - 30:
+                    report.add(sec, f"decode step B={b} ({tag})", "skipped: time budget", status="skipped")
+                    continue
+                d = bench.decode_step_time(core, shape.vocab, b, decode_prompt, decode_steps, device)
+                limit = bench.hbm_limit_s(ours, shape, b, d["context"], kv_per_token)
+                ratio = d["step_s"] / limit["limit_s"]
+                report.add(sec, f"decode step B={b}, context {d['context']} ({tag}): ms / HBM-limit ms",
+                           f"{d['step_s'] * 1e3:.2f} / {limit['limit_s'] * 1e3:.2f} = {ratio:.2f}x",
+                           "<= 2x at B=64" if b == decode_batches[1] else "",
+                           _status(ratio <= 2.0) if b == decode_batches[1] else "",
+                           bytes_per_step=limit["bytes"])
+        finally:
+            del core
+            _free(device)
+
+    backends = ["triton"] + (["flashinfer"] if importlib.util.find_spec("flashinfer") else [])
+    guarded(report, sec, engine_runs, "triton", True, True)
+    guarded(report, sec, engine_runs, "triton", False, False)
+
+    def transformers_run() -> None:
+        room = deadline - time.time() - 60 * len(backends[1:]) - 20
+        if room < 20:
+            report.add(sec, "transformers generate", "skipped: time budget", status="skipped")
+            return
+        r = bench.run_hf(hf, batch, device, max_time=min(150.0, room))
+        results["hf"] = r["tok_per_s"]
+        partial = "" if r["steps"] >= r["longest"] else " (stopped by max_time: partial)"
+        report.add(sec, f"{rl_name}: output tok/s (transformers generate)", round(r["tok_per_s"], 1), "",
+                   f"{r['tokens']} useful tokens, {r['steps']}/{r['longest']} steps in {r['seconds']:.2f} s{partial}")
+
+    guarded(report, sec, transformers_run)
+    for backend in backends[1:]:
+        guarded(report, sec, engine_runs, backend, True, True)
+    if time.time() < deadline - 60:
+        # capture on/off a second time, in the other order (the ratio is of the best of two)
+        guarded(report, sec, engine_runs, "triton", False, False)
+    for backend in backends:
+        if (backend, True) in results and "hf" in results:
+            ratio = results[(backend, True)] / results["hf"]
+            report.add(sec, f"RL batch: engine ({backend}) / transformers", round(ratio, 2), ">= 5",
+                       _status(ratio >= 5))
+    if ("triton", True) in results and ("triton", False) in results:
+        ratio = results[("triton", True)] / results[("triton", False)]
+        report.add(sec, "RL batch: capture on / off (triton)", round(ratio, 3), ">= 0.98", _status(ratio >= 0.98))

@@ -1,0 +1,44 @@
+"""Random paged-attention batches over a real KVPool, for the kernel and metadata tests."""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+from rollout.forward_batch import ForwardBatch
+from rollout.kv_pool import KVPool
+from rollout.models.attention import PagedAttention
+
+
+def attention_case(prefix_lens: Sequence[int], extend_lens: Sequence[int], *, heads: int = 4, kv_heads: int = 2,
+                   dim: int = 32, seed: int = 0, dtype: torch.dtype = torch.float32, device: str = "cpu",
+                   shared: Optional[Sequence[tuple[int, Sequence[int]]]] = None, window: Optional[int] = None):
+    """-> (layer, q [N, H, D], fb, groups): request b's slots scattered over the pool; `shared`
+    (prefix length P, member rows) gives members the same first P slots (a cached GRPO prompt)."""
+    g = torch.Generator().manual_seed(seed)
+    seq = [p + e for p, e in zip(prefix_lens, extend_lens)]
+    total = sum(seq) + 8
+    pool = KVPool(num_slots=total, num_layers=1, num_kv_heads=kv_heads, head_dim=dim, dtype=dtype, device=device)
+    pool.kv_buffers[0].copy_(torch.randn(pool.kv_buffers[0].shape, generator=g).to(dtype))
+    perm = (torch.randperm(total, generator=g) + 1).tolist()
+    rows = []
+    for n in seq:
+        rows.append(torch.tensor(perm[:n], dtype=torch.int64))
+        perm = perm[n:]
+    groups = tuple((p, tuple(m)) for p, m in (shared or ()))
+    for p, members in groups:
+        for r in members[1:]:
+            rows[r][:p] = rows[members[0]][:p]
+    out_loc = torch.cat([r[p:] for r, p in zip(rows, prefix_lens)]) if rows else torch.zeros(0, dtype=torch.int64)
+    fb = ForwardBatch.build(input_ids=[0] * sum(extend_lens), out_cache_loc=out_loc, prefix_lens=list(prefix_lens),
+                            extend_lens=list(extend_lens), req_slots=rows, kv_pool=pool, device=device,
+                            segment_attention=bool(groups), prefix_groups=groups)
+    layer = PagedAttention(layer_id=0, num_heads=heads, num_kv_heads=kv_heads, head_dim=dim, sliding_window=window)
+    q = torch.randn(fb.num_tokens, heads, dim, generator=g).to(device=device, dtype=dtype)
+    return layer, q, fb, groups
+
+
+def reference(layer: PagedAttention, q: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+    """PagedAttention's torch path (the sliding-window mask when the layer has a window), fp32."""
+    mask = PagedAttention.sliding_window_mask(fb, layer.sliding_window) if layer.sliding_window else None
+    return layer.torch_attend(q.float(), fb, mask)

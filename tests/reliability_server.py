@@ -1,0 +1,68 @@
+"""The reliability tests' server (embedded tiny model, float32, routing on, 4 running requests at
+most, admin key) and their checks: every request answered, KV back to idle, routing exact."""
+import asyncio
+import random
+
+import httpx
+import pytest
+
+from capture.codec import decode_routed_experts
+from oracle import hf_router_topk, same_sets
+from rollout.config import DEFAULT_MODEL_PATH
+from server_proc import ServerProcess, wait_idle
+
+ADMIN_KEY = "reliability-admin"
+GREEDY = {"temperature": 0.0, "max_new_tokens": 8, "ignore_eos": True}
+
+
+def prompts(seed, lengths, vocab=576):
+    rng = random.Random(seed)
+    return [[rng.randrange(3, vocab) for _ in range(n)] for n in lengths]
+
+
+@pytest.fixture(scope="module")
+def server():
+    with ServerProcess(["--enable-return-routed-experts", "--enable-debug-endpoints", "--admin-api-key", ADMIN_KEY,
+                        "--dtype", "float32", "--max-running-requests", "4"]) as srv:
+        yield srv
+        assert srv.alive, srv.log()
+
+
+@pytest.fixture(scope="module")
+def admin(server):
+    with httpx.Client(base_url=server.url, timeout=120, headers={"Authorization": f"Bearer {ADMIN_KEY}"}) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def shape(admin):
+    info = admin.get("/model_info").json()
+    return info["num_hidden_layers"], info["num_experts_per_tok"]
+
+
+def assert_idle_and_clean(admin):
+    wait_idle(admin, timeout=120)
+    assert admin.post("/flush_cache").status_code == 200
+    state = admin.get("/debug/integrity").json()
+    assert state["ok"] and state["kv_used"] == 0 and state["running"] == 0 and state["waiting"] == 0, state
+
+
+def check_routing(out, shape):
+    """Completed: T - 1 rows, transformers' router top-k for the whole sequence."""
+    meta = out["meta_info"]
+    seq = out["_prompt"] + out["output_ids"]
+    rows = decode_routed_experts(meta["routed_experts"], "int32", num_layers=shape[0], top_k=shape[1])
+    assert rows.shape[0] == len(seq) - 1
+    ref = hf_router_topk(DEFAULT_MODEL_PATH, seq[:-1], shape[1], shape[0])
+    assert same_sets(rows, ref)
+
+
+async def generate_all(url, bodies):
+    async with httpx.AsyncClient(base_url=url, timeout=300) as c:
+        async def one(body):
+            r = await c.post("/generate", json=body)
+            assert r.status_code == 200, r.text
+            return {**r.json(), "_prompt": body["input_ids"]}
+        return await asyncio.gather(*(one(b) for b in bodies))
+
+
