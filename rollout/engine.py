@@ -392,7 +392,7 @@ class Rollout:
 
     @property
     def steps_done(self) -> int:
-        """Engine steps finished (as last reported; a working engine reports at least every 50 ms)."""
+        """Engine steps finished (reported after every step)."""
         return self._client.steps_done
 
     @property

@@ -129,7 +129,6 @@ class StepSync:
 class EngineLoop:
     IDLE_WAIT_S = 0.5         # single rank: how long an idle loop blocks on its inbox at a time
     DP_IDLE_WAIT_S = 0.005    # DP: idle ranks meet this often (a new request waits at most this)
-    HEARTBEAT_S = 0.05        # a working engine reports its step count at least this often
 
     def __init__(self, core: EngineCore, endpoint: EngineEndpoint, *, sync: Optional[StepSync] = None,
                  alive: Callable[[], bool] = lambda: True):
@@ -141,7 +140,6 @@ class EngineLoop:
         self.stopping = False
         self.last_step_time = time.time()
         self.steps = 0
-        self._last_sent = 0.0
 
     def _handle(self, msg: ToEngine, replies: list[Reply]) -> None:
         if isinstance(msg, AddReqs):
@@ -194,9 +192,9 @@ class EngineLoop:
                 return
 
     def _send(self, replies: list[Reply], stepped: bool = False) -> None:
+        """One message per step that ran (its step count is how the front end knows the engine
+        lives), or when a call needs its reply."""
         updates = self.core.take_updates()
-        now = time.monotonic()
-        if updates or replies or (stepped and now - self._last_sent >= self.HEARTBEAT_S):
-            self._last_sent = now
+        if updates or replies or stepped:
             self.endpoint.send(StepOut(updates=updates, replies=replies, has_work=self.core.has_work(),
                                        step_time=self.last_step_time, steps=self.steps))

@@ -39,7 +39,7 @@ class EngineClient(Protocol):
 
     @property
     def steps_done(self) -> int:
-        """Steps the engine finished (as last reported; at least every 50 ms while it works)."""
+        """Steps the engine finished (reported after every step)."""
 
     @property
     def busy(self) -> bool:
