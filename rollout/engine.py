@@ -18,7 +18,7 @@ import torch
 from capture.gather_layout import GatherLayout
 from rollout.config import EngineConfig
 from rollout.frontend.async_generation import AsyncGeneration
-from rollout.frontend.engine_client import EngineClient, EngineDeadError
+from rollout.frontend.engine_client import EngineClient, EngineDeadError, RidInFlightError
 from rollout.frontend.request_builder import ParamsArg, RequestBuilder
 from rollout.frontend.request_state import RequestState, RoutingShape
 from rollout.ipc.messages import ReqSpec, ReqUpdate
@@ -158,15 +158,14 @@ class Rollout:
         with self._lock:
             clash = [st.rid for st in states if st.rid in self._rids or st.group_rid in self._rids]
             if clash:
-                raise ValueError(f"rid {clash[0]!r} is already in flight; rids must be unique")
+                raise RidInFlightError(f"rid {clash[0]!r} is already in flight; rids must be unique")
             for st in states:
                 st.sink = sink
                 self._states[st.uid] = st
                 for key in {st.rid, st.group_rid}:
                     self._rids.setdefault(key, []).append(st.uid)
         try:
-            for group in groups:
-                self._client.add([spec for spec, _ in group])
+            self._client.add([[spec for spec, _ in group] for group in groups])
         except EngineDeadError:
             with self._lock:
                 for st in states:

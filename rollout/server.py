@@ -30,6 +30,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from rollout.engine import EngineDeadError, Rollout
+from rollout.frontend.engine_client import RidInFlightError
 from rollout.engine_core import PAUSE_MODES
 from rollout.health import GenerateHealth
 from rollout.openai_api import (ApiError, ClientGone, EngineStream, OpenAIServing, SSEResponse, check_routing_format,
@@ -42,6 +43,7 @@ from rollout.weight_updater import WeightUpdateError, WeightUpdater
 logger = logging.getLogger("rollout.server")
 VERSION = "0.1.0"
 ENGINE_DEAD_EXIT_DELAY_S = 1.0
+RID_IN_FLIGHT = "rid_in_flight_error"   # the error type clients retry on (the rid's earlier try is not done)
 WEIGHT_PATHS = frozenset({"/update_weights_from_disk", "/update_weights_from_tensor", "/init_weights_update_group",
                           "/update_weights_from_distributed", "/destroy_weights_update_group"})
 ADMIN_PATHS = WEIGHT_PATHS | {"/pause_generation", "/continue_generation", "/flush_cache", "/debug/integrity"}
@@ -265,6 +267,8 @@ def typed(body: dict, name: str, types: tuple, default: Any) -> Any:
 
 def _engine_error(exc: ValueError, known: set[str]) -> ApiError:
     msg = str(exc)
+    if isinstance(exc, RidInFlightError):
+        return ApiError(400, msg, type=RID_IN_FLIGHT, param="rid")
     return ApiError(400, msg, param=param_of(msg, known))
 
 

@@ -62,6 +62,8 @@ STALE_CONNECTION_RETRIES = 2
 ABORT_BEFORE_PREFILL = "Abort before prefill"
 
 
+RID_IN_FLIGHT = "rid_in_flight_error"   # the server's error type for a rid still in flight (docs/protocol.md)
+
 class RolloutError(RuntimeError):
     """A request could not be completed."""
 
@@ -491,7 +493,7 @@ class RolloutClient:
             return
         if status in _RETRY_STATUS:
             raise _ServerFailed(f"HTTP {status}: {text[:200]}", dead=status == 503)
-        if status == 400 and "already in flight" in text:  # NOTE: our abort of a timed-out try is not done yet
+        if status == 400 and _error_type(text) == RID_IN_FLIGHT:  # NOTE: our abort of a timed-out try is not done yet
             raise _ServerFailed(f"HTTP 400: {text[:200]}", dead=False)
         raise RequestRejected(f"request {req.rid!r} rejected by {server.url}: HTTP {status}: {text[:500]}")
 
@@ -676,3 +678,13 @@ class RolloutClient:
             except ValueError as exc:
                 raise SampleError(f"{exc} (from {server.url})") from None
         return sample
+
+
+def _error_type(text: str) -> Optional[str]:
+    """The `error.type` of a JSON error body, if it is one."""
+    try:
+        body = json.loads(text)
+    except ValueError:
+        return None
+    err = body.get("error") if isinstance(body, dict) else None
+    return err.get("type") if isinstance(err, dict) else None

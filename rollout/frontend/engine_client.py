@@ -10,6 +10,10 @@ class EngineDeadError(RuntimeError):
     """The engine stopped (crashed, was killed, or shut down); every pending request receives this."""
 
 
+class RidInFlightError(ValueError):
+    """A request with this rid is still in flight (HTTP 400, error type "rid_in_flight_error")."""
+
+
 UpdatesCallback = Callable[[list[ReqUpdate]], None]
 DeadCallback = Callable[[str], None]
 
@@ -19,8 +23,9 @@ class EngineClient(Protocol):
     kv_capacity: int            # KV slots per rank: a request's prompt + max_new_tokens must fit
     context_length: int
 
-    def add(self, specs: list[ReqSpec]) -> None:
-        """Queues one prompt's requests (its n samples stay together on one rank)."""
+    def add(self, groups: list[list[ReqSpec]]) -> None:
+        """Queues one call's requests, each prompt's group (its n samples) on one rank, in one
+        message per rank (so the engine schedules them together)."""
 
     def abort(self, uids: list[int], message: str = "aborted by request") -> None:
         """Aborts without waiting; unknown or finished uids are ignored."""

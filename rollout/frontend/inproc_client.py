@@ -124,10 +124,10 @@ class InprocClient:
         if self._dead is not None:
             raise EngineDeadError(self._dead)
 
-    def add(self, specs: list[ReqSpec]) -> None:
+    def add(self, groups: list[list[ReqSpec]]) -> None:
         self._check()
         self._busy = True
-        self._endpoint.inbox.put(AddReqs(specs))
+        self._endpoint.inbox.put(AddReqs([spec for specs in groups for spec in specs]))
 
     def abort(self, uids: list[int], message: str = "aborted by request") -> None:
         if self._dead is None and uids:

@@ -281,15 +281,19 @@ class ProcessClient:
     def _pick_rank(self, specs: list[ReqSpec]) -> int:
         return 0
 
-    def add(self, specs: list[ReqSpec]) -> None:
+    def add(self, groups: list[list[ReqSpec]]) -> None:
         self._check()
+        by_rank: dict[int, list[ReqSpec]] = {}
         with self._lock:
-            rank = self._pick_rank(specs)
-            for spec in specs:
-                self._owner[spec.uid] = rank
-            self._load[rank] += len(specs)
-            self._busy[rank] = True
-        self._sockets[rank].send(AddReqs(specs))
+            for specs in groups:
+                rank = self._pick_rank(specs)
+                for spec in specs:
+                    self._owner[spec.uid] = rank
+                self._load[rank] += len(specs)
+                self._busy[rank] = True
+                by_rank.setdefault(rank, []).extend(specs)
+        for rank, specs in by_rank.items():
+            self._sockets[rank].send(AddReqs(specs))
 
     def abort(self, uids: list[int], message: str = "aborted by request") -> None:
         if self._dead is not None or not uids:

@@ -1,0 +1,141 @@
+"""The engine in its own process: typed messages, death of the engine process, clean shutdown."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from oracle import hf_router_topk, same_sets
+from rollout import EngineDeadError, Rollout
+from rollout.ipc.messages import AbortReqs, AddReqs, Call, Codec, ReqSpec, ReqUpdate, StepOut, ints
+from tiny_models import make_engine, random_prompts as prompts
+
+ROOT = Path(__file__).resolve().parent.parent
+GREEDY = {"temperature": 0.0, "ignore_eos": True}
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:     # NOTE: a zombie is dead too
+        return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def test_messages_round_trip_as_msgpack_with_raw_arrays():
+    codec = Codec()
+    spec = ReqSpec(uid=7, rid="a", prompt_ids=ints([1, 2, 3]), params={"temperature": 0.5, "stop": []}, seed=3,
+                   return_logprob=True, top_logprobs_num=2, return_routed_experts=True, routed_experts_start_len=1,
+                   emit_interval=0, max_total_len=64)
+    for msg in (AddReqs([spec]), AbortReqs([7, 8], "why"), Call(3, "pause", ["retract"])):
+        assert codec.to_engine.decode(codec.encoder.encode(msg)) == msg
+    rows = np.arange(24, dtype=np.int16).reshape(2, 3, 4)
+    out = StepOut(updates=[ReqUpdate(uid=7, output_ids=ints([5, 6]), routing=rows.tobytes(), finished=True,
+                                     finish_type="stop", finish_matched=6)], steps=4)
+    back = codec.from_engine.decode(codec.encoder.encode(out))
+    assert back == out and np.array_equal(np.frombuffer(back.updates[0].routing, np.int16).reshape(2, 3, 4), rows)
+
+
+def test_engine_killed_mid_load_fails_every_waiter_within_5s(tiny_checkpoint):
+    engine = make_engine(tiny_checkpoint("qwen3_moe"))
+    (pid,) = engine.engine_pids()
+    got: list = []
+    done = threading.Event()
+
+    def sink(item):
+        got.append(item)
+        if len(got) == 8:
+            done.set()
+    engine.submit(sink, input_ids=prompts(1, [5] * 8), sampling_params={**GREEDY, "max_new_tokens": 3000})
+    while engine.stats()["generated_tokens"] < 16:
+        time.sleep(0.01)
+    os.kill(pid, signal.SIGKILL)
+    t0 = time.monotonic()
+    assert done.wait(5.0)
+    assert time.monotonic() - t0 < 5.0 and all(isinstance(x, EngineDeadError) for x in got)
+    assert not engine.is_alive
+    with pytest.raises(EngineDeadError, match="exited with code -9"):
+        engine.generate(input_ids=[[5, 6]])
+    engine.shutdown()
+
+
+def test_shutdown_leaves_no_process_and_concurrent_callers_match_the_oracle(tiny_checkpoint):
+    """8 threads of callers at once, each request's routing row by row the router's (transformers)."""
+    path = tiny_checkpoint("qwen3_moe")
+    engine = make_engine(path)
+    (pid,) = engine.engine_pids()
+    batches = [prompts(10 + i, [4 + i, 9]) for i in range(8)]
+    results: dict = {}
+
+    def caller(i):
+        results[i] = engine.generate(input_ids=batches[i], sampling_params={**GREEDY, "max_new_tokens": 6},
+                                     return_routed_experts=True, stream=bool(i % 2))
+        results[i] = [c.output for c in results[i] if c.finished] if i % 2 else results[i]
+    threads = [threading.Thread(target=caller, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    engine.check_integrity()
+    engine.shutdown()
+    assert not pid_alive(pid)
+    for i, outs in results.items():
+        for out in outs:
+            seq = out.prompt_ids + out.output_ids
+            assert out.routed_experts.shape[0] == len(seq) - 1
+            assert same_sets(out.routed_experts, hf_router_topk(path, seq[:-1], out.routed_experts.shape[2],
+                                                                out.routed_experts.shape[1]))
+
+
+def test_script_without_main_guard_runs(tmp_path):
+    """The engine process is not started by multiprocessing: a caller's script needs no __main__ guard."""
+    script = tmp_path / "job.py"
+    script.write_text("from rollout import Rollout\n"
+                      "with Rollout() as e:\n"
+                      "    print('ok', len(e.generate(['hi'], {'max_new_tokens': 2})[0].output_ids))\n")
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=180, env=env)
+    assert r.returncode == 0 and "ok 2" in r.stdout, r.stderr[-2000:]
+
+
+def test_stop_string_cuts_tokens_logprobs_and_routing_together(tiny_checkpoint):
+    """The front end finds stop strings: the output ends at the token that completed the string, with
+    that many logprobs and prompt + output - 1 routing rows, and the engine frees the request."""
+    with Rollout(enable_return_routed_experts=True) as engine:
+        free = engine.generate(["Q: 12+7= A:"], {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True},
+                               return_logprob=True, return_routed_experts=True)[0]
+        text = free.text
+        assert len(text) > 3
+        stop = text[2:4]
+        out = engine.generate(["Q: 12+7= A:"], {"temperature": 0, "max_new_tokens": 24, "ignore_eos": True,
+                                                "stop": [stop]}, return_logprob=True, return_routed_experts=True)[0]
+        engine.check_integrity()
+        n = len(out.output_ids)
+        assert out.finish_info == {"type": "stop", "matched": stop} and stop not in out.text
+        assert out.output_ids == free.output_ids[:n] and n < len(free.output_ids)
+        assert out.output_logprobs == free.output_logprobs[:n]
+        assert torch.equal(out.routed_experts, free.routed_experts[:len(out.prompt_ids) + n - 1])
+        assert engine.stats()["running"] == 0
+
+
+def test_inproc_client_matches_process_client(tiny_checkpoint):
+    path = tiny_checkpoint("olmoe")
+    batch = prompts(3, [7, 19])
+    params = {"temperature": 1.0, "max_new_tokens": 8, "n": 2, "sampling_seed": 5}
+    outs = {}
+    for client in ("process", "inproc"):
+        with make_engine(path, client=client) as engine:
+            outs[client] = engine.generate(input_ids=batch, sampling_params=params, return_logprob=True,
+                                           return_routed_experts=True)
+    for a, b in zip(outs["process"], outs["inproc"], strict=True):
+        assert a.output_ids == b.output_ids and a.output_logprobs == b.output_logprobs
+        assert torch.equal(a.routed_experts, b.routed_experts)
