@@ -28,6 +28,17 @@ class EngineDeadError(RuntimeError):
     """The engine thread stopped on an error; every pending request receives this."""
 
 
+def cache_namespace(salt: Optional[str]) -> int:
+    """The prefix-cache namespace of a cache_salt: 0 (shared) for None, else a 64-bit hash shifted
+    above every token id, so keys of different salts never compare equal."""
+    if salt is None:
+        return 0
+    import hashlib  # noqa: PLC0415
+
+    digest = hashlib.blake2b(salt.encode("utf-8", "surrogatepass"), digest_size=8).digest()
+    return (int.from_bytes(digest, "little") | 1) << 32
+
+
 def _derive_seed(seed: int, index: int) -> int:
     if index == 0:
         return seed
@@ -228,7 +239,9 @@ class Rollout:
 
     def _build(self, prompts: Any, input_ids: Any, sampling_params: ParamsArg, return_logprob: Any,
                top_logprobs_num: Any, return_routed_experts: Any, routed_experts_start_len: Any, rid: Any,
-               stream: bool, routed_dp_rank: Any = None) -> list[Req]:
+               stream: bool, routed_dp_rank: Any = None, cache_salt: Any = None) -> list[Req]:
+        """return_logprob, top_logprobs_num, return_routed_experts, routed_experts_start_len, rid,
+        routed_dp_rank and cache_salt: one value for every prompt or a list with one per prompt."""
         batch = self._prompt_ids(prompts, input_ids)
         n_prompts = len(batch)
         if isinstance(sampling_params, (list, tuple)):
@@ -237,23 +250,30 @@ class Rollout:
             params = [SamplingParams.from_any(p) for p in sampling_params]
         else:
             params = [SamplingParams.from_any(sampling_params)] * n_prompts
-        if not isinstance(return_logprob, bool):
-            raise ValueError(f"return_logprob must be a boolean, got {return_logprob!r}")
-        if isinstance(top_logprobs_num, bool) or not isinstance(top_logprobs_num, int) \
-                or not 0 <= top_logprobs_num <= min(MAX_TOP_LOGPROBS, self.info.vocab_size):
-            raise ValueError(f"top_logprobs_num must be an integer in [0, "
-                             f"{min(MAX_TOP_LOGPROBS, self.info.vocab_size)}], got {top_logprobs_num!r}")
-        if not isinstance(return_routed_experts, bool):
-            raise ValueError(f"return_routed_experts must be a boolean, got {return_routed_experts!r}")
-        if return_routed_experts and not self._core.capture_enabled:
-            raise ValueError("return_routed_experts=True needs an engine started with "
-                             "enable_return_routed_experts=True")
+        want_lp = self._per_prompt("return_logprob", return_logprob, n_prompts, ())
+        tops = self._per_prompt("top_logprobs_num", top_logprobs_num, n_prompts, ())
+        want_routes = self._per_prompt("return_routed_experts", return_routed_experts, n_prompts, ())
+        salts = self._per_prompt("cache_salt", cache_salt, n_prompts, (str,))
+        top_max = min(MAX_TOP_LOGPROBS, self.info.vocab_size)
+        for lp, top, route, salt in zip(want_lp, tops, want_routes, salts):
+            if not isinstance(lp, bool):
+                raise ValueError(f"return_logprob must be a boolean, got {lp!r}")
+            if isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= top_max:
+                raise ValueError(f"top_logprobs_num must be an integer in [0, {top_max}], got {top!r}")
+            if not isinstance(route, bool):
+                raise ValueError(f"return_routed_experts must be a boolean, got {route!r}")
+            if route and not self._core.capture_enabled:
+                raise ValueError("return_routed_experts=True needs an engine started with "
+                                 "enable_return_routed_experts=True")
+            if salt is not None and (not isinstance(salt, str) or len(salt) > 1024):
+                raise ValueError(f"cache_salt must be a string of at most 1024 characters, got {salt!r}"[:300])
         starts = self._per_prompt("routed_experts_start_len", routed_experts_start_len, n_prompts, ())
         rids = self._per_prompt("rid", rid, n_prompts, (str,))
         capacity = self._core.kv_capacity
         dp_ranks = self._per_prompt("routed_dp_rank", routed_dp_rank, n_prompts, ())
         reqs: list[Req] = []
-        for i, (ids, p, start, r, dp_rank) in enumerate(zip(batch, params, starts, rids, dp_ranks)):
+        for i, (ids, p, start, r, dp_rank, lp, top, route, salt) in enumerate(
+                zip(batch, params, starts, rids, dp_ranks, want_lp, tops, want_routes, salts)):
             if dp_rank is not None and (isinstance(dp_rank, bool) or not isinstance(dp_rank, int)
                                         or not 0 <= dp_rank < self.config.dp_size):
                 raise ValueError(f"routed_dp_rank must be None or an integer in [0, {self.config.dp_size}) "
@@ -272,14 +292,14 @@ class Rollout:
             for k in range(p.n):
                 child = base_rid if p.n == 1 else f"{base_rid}_{k}"
                 detok = None
-                if stream or p.stop:
+                if stream or p.stop or p.stop_regex:
                     detok = IncrementalDetokenizer(
                         lambda t, s=p.skip_special_tokens: self.tokenizer.decode(t, skip_special_tokens=s))
                 reqs.append(Req(
                     rid=child, prompt_ids=list(ids), params=p, seed=_derive_seed(seed, k),
-                    return_logprob=return_logprob, top_logprobs_num=top_logprobs_num,
-                    return_routed_experts=return_routed_experts, routed_experts_start_len=start, stream=stream,
-                    max_total_len=self._core.context_length, detokenizer=detok, routed_dp_rank=dp_rank))
+                    return_logprob=lp, top_logprobs_num=top, return_routed_experts=route,
+                    routed_experts_start_len=start, stream=stream, max_total_len=self._core.context_length,
+                    detokenizer=detok, routed_dp_rank=dp_rank, cache_ns=cache_namespace(salt)))
         seen = [r.rid for r in reqs]
         if len(set(seen)) != len(seen):
             raise ValueError("rid values must be unique within a call")
@@ -324,13 +344,15 @@ class Rollout:
     def generate(self, prompts: Any = None, sampling_params: ParamsArg = None, *, input_ids: Any = None,
                  return_logprob: bool = False, top_logprobs_num: int = 0, return_routed_experts: bool = False,
                  routed_experts_start_len: Any = 0, rid: Any = None, stream: bool = False,
-                 routed_dp_rank: Any = None) -> Union[list[RolloutOutput], Iterator[StreamChunk]]:
+                 routed_dp_rank: Any = None,
+                 cache_salt: Any = None) -> Union[list[RolloutOutput], Iterator[StreamChunk]]:
         """Outputs in prompt order (each prompt's n samples together); stream=True yields chunks.
 
         routed_dp_rank (dp_size > 1): pin the requests (or each prompt, given a list) to one DP rank;
-        None lets the engine pick the least loaded rank."""
+        None lets the engine pick the least loaded rank. cache_salt: requests share prefix-cache
+        entries (KV and routing rows) only with requests of the same salt (None: the shared space)."""
         reqs = self._build(prompts, input_ids, sampling_params, return_logprob, top_logprobs_num,
-                           return_routed_experts, routed_experts_start_len, rid, stream, routed_dp_rank)
+                           return_routed_experts, routed_experts_start_len, rid, stream, routed_dp_rank, cache_salt)
         q: "queue.Queue[Any]" = queue.Queue()
         rids = self._submit(reqs, q.put)
         if stream:
@@ -362,10 +384,10 @@ class Rollout:
     def async_generate(self, prompts: Any = None, sampling_params: ParamsArg = None, *, input_ids: Any = None,
                        return_logprob: bool = False, top_logprobs_num: int = 0, return_routed_experts: bool = False,
                        routed_experts_start_len: Any = 0, rid: Any = None, stream: bool = False,
-                       routed_dp_rank: Any = None) -> AsyncGeneration:
+                       routed_dp_rank: Any = None, cache_salt: Any = None) -> AsyncGeneration:
         """`await engine.async_generate(...)` -> outputs; `async for c in engine.async_generate(..., stream=True)`."""
         reqs = self._build(prompts, input_ids, sampling_params, return_logprob, top_logprobs_num,
-                           return_routed_experts, routed_experts_start_len, rid, stream, routed_dp_rank)
+                           return_routed_experts, routed_experts_start_len, rid, stream, routed_dp_rank, cache_salt)
         return AsyncGeneration(lambda sink: self._submit(reqs, sink), stream)
 
     def abort(self, rid: str) -> bool:
@@ -419,12 +441,12 @@ class Rollout:
     def submit(self, sink: Callable[[Any], None], prompts: Any = None, sampling_params: ParamsArg = None, *,
                input_ids: Any = None, return_logprob: bool = False, top_logprobs_num: int = 0,
                return_routed_experts: bool = False, routed_experts_start_len: Any = 0, rid: Any = None,
-               stream: bool = False, routed_dp_rank: Any = None) -> list[str]:
+               stream: bool = False, routed_dp_rank: Any = None, cache_salt: Any = None) -> list[str]:
         """Validates and queues like generate(); sink(item) is then called on the engine thread with
         each StreamChunk (stream) or RolloutOutput, or an exception. Returns the request ids in
         output order (prompt-major)."""
         reqs = self._build(prompts, input_ids, sampling_params, return_logprob, top_logprobs_num,
-                           return_routed_experts, routed_experts_start_len, rid, stream, routed_dp_rank)
+                           return_routed_experts, routed_experts_start_len, rid, stream, routed_dp_rank, cache_salt)
         return self._submit(reqs, sink)
 
     def abort_nowait(self, rids: Sequence[str]) -> None:

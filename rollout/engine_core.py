@@ -159,8 +159,9 @@ class EngineCore:
                 self._finish(req, FinishReason("abort", message=ABORT_MESSAGE))
 
     def flush_cache(self) -> bool:
-        """Drops every cached prefix (and so its routing); refused while requests hold KV."""
-        if self.scheduler.has_work():
+        """Drops every cached prefix (and so its routing); refused while requests hold KV (waiting
+        and retracted requests hold none)."""
+        if self.scheduler.running:
             return False
         return self.cache.flush()
 
@@ -271,7 +272,8 @@ class EngineCore:
             p = req.params
             # NOTE: the usual token ends nothing; only a token that could (_check_finish) pays for
             # the full check
-            if ((tok in eos and not p.ignore_eos) or p.stop_token_ids or p.stop or len(out_ids) >= p.max_new_tokens
+            if ((tok in eos and not p.ignore_eos) or p.stop_token_ids or p.stop or p.stop_regex
+                    or len(out_ids) >= p.max_new_tokens
                     or len(req.prompt_ids) + len(out_ids) >= req.max_total_len):
                 reason = self._check_finish(req, tok)
             else:
@@ -310,6 +312,12 @@ class EngineCore:
                 for s in p.stop:
                     if s in window:
                         return FinishReason("stop", matched=s)
+        if p.stop_patterns and req.detokenizer is not None and len(req.output_ids) >= p.min_new_tokens:
+            text = req.detokenizer.text
+            for rx in p.stop_patterns:
+                m = rx.search(text)
+                if m is not None:
+                    return FinishReason("stop", matched=m.group(0))
         if len(req.output_ids) >= p.max_new_tokens or req.seq_len >= req.max_total_len:
             return FinishReason("length")
         return None

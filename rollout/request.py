@@ -54,6 +54,7 @@ class Req:
     sink: Optional[Callable[[Any], None]] = None
     detokenizer: Optional[IncrementalDetokenizer] = None
     routed_dp_rank: Optional[int] = None  # DP attention: the rank this request must run on (None = any)
+    cache_ns: int = 0                    # prefix-cache namespace (cache_salt / extra_key): 0 = shared
 
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
@@ -86,6 +87,14 @@ class Req:
         if stop <= n:
             return self.prompt_ids[start:stop]
         return self.prompt_ids[start:] + self.output_ids[:stop - n]
+
+    def cache_key(self, n: int) -> list[int]:
+        """fill_ids[:n] as the prefix cache's key: a salted request's key space never meets another's."""
+        ids = self.token_span(0, n)
+        if not self.cache_ns:
+            return ids
+        ns = self.cache_ns
+        return [t + ns for t in ids]
 
     @property
     def seq_len(self) -> int:

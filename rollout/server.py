@@ -28,9 +28,12 @@ from starlette.responses import Response
 
 from rollout.engine import EngineDeadError, Rollout
 from rollout.engine_core import EngineCore
+from rollout.generate_request import ERROR_PARAMS, GenerateCall, as_response, typed
+from rollout.generate_stream import GenerateStream
 from rollout.health import GenerateHealth
-from rollout.openai_api import (ApiError, ClientGone, EngineStream, OpenAIServing, SSEResponse, check_routing_format,
-                                encode_rows, error_body, json_response, param_of, sse)
+from rollout.ignored_fields import IgnoredFields
+from rollout.openai_api import (ApiError, ClientGone, EngineStream, OpenAIServing, SSEResponse, error_body,
+                                json_response, param_of)
 from rollout.output import RolloutOutput
 from rollout.server_args import ServerArgs
 from rollout.unicode_check import body_may_hold_surrogates, invalid_unicode_field
@@ -42,19 +45,6 @@ WEIGHT_PATHS = frozenset({"/update_weights_from_disk", "/update_weights_from_ten
                           "/update_weights_from_distributed", "/destroy_weights_update_group"})
 ADMIN_PATHS = WEIGHT_PATHS | {"/pause_generation", "/continue_generation", "/flush_cache", "/debug/integrity"}
 PUBLIC_PATHS = frozenset({"/health"})
-GENERATE_FIELDS = {"text", "input_ids", "sampling_params", "rid", "return_logprob", "logprob_start_len",
-                   "top_logprobs_num", "return_routed_experts", "routed_experts_start_len", "routed_experts_format",
-                   "stream", "return_text_in_logprobs", "data_parallel_rank", "routed_dp_rank"}
-# SGLang request fields accepted for compatibility: any value / only null-or-false (unsupported features)
-GENERATE_IGNORED = {"log_metrics", "bootstrap_host", "bootstrap_port", "bootstrap_room", "priority", "extra_key",
-                    "stream_output"}
-GENERATE_ONLY_NULL = {"lora_path", "lora_id", "custom_logit_processor", "image_data", "video_data", "audio_data",
-                      "input_embeds", "session_params", "token_ids_logprob", "modalities", "return_hidden_states"}
-SAMPLING_ONLY_NULL = {"json_schema", "regex", "ebnf", "structural_tag", "custom_params", "logit_bias"}
-SAMPLING_FIELDS = {"temperature", "top_p", "top_k", "min_p", "max_new_tokens", "min_new_tokens", "stop",
-                   "stop_token_ids", "ignore_eos", "no_stop_trim", "skip_special_tokens", "n", "sampling_seed",
-                   "frequency_penalty", "presence_penalty", "repetition_penalty", "logprob_mode",
-                   "spaces_between_special_tokens", "stream_interval", "sampling_params", "prompts", "context"}
 WEIGHT_IGNORED = {"flush_cache", "load_format", "is_async", "torch_empty_cache", "keep_pause", "recapture_cuda_graph",
                   "token_step"}
 
@@ -67,9 +57,10 @@ class BodyTooLarge(Exception):
 class Metrics:
     """Server-side counters; engine gauges are read at scrape time."""
 
-    def __init__(self, known_paths: set[str]):
+    def __init__(self, known_paths: set[str], ignored: IgnoredFields):
         self._lock = threading.Lock()
         self.known_paths = known_paths
+        self.ignored = ignored
         self.http: Counter = Counter()
         self.finish: Counter = Counter()
         self.routing: Counter = Counter()
@@ -134,6 +125,8 @@ class Metrics:
                [(f'{{format="{f}"}}', v) for f, v in routing])
         metric("routed_experts_messages_total", "counter", "responses/chunks carrying routed experts, by format",
                [(f'{{format="{f}"}}', v) for f, v in msgs])
+        metric("ignored_fields_total", "counter", "unknown request fields accepted and ignored, by endpoint and name",
+               [(f'{{endpoint="{e}",field="{n}"}}', v) for e, n, v in self.ignored.samples()])
         capturer = getattr(engine._core, "capturer", None)  # (DP: the capturers live in the ranks)
         if capturer is not None:
             metric("capture_host_store_bytes", "gauge", "routed-expert host store size",
@@ -251,15 +244,6 @@ def check_fields(body: dict, known: set[str], ignored: set[str] = frozenset(), o
         raise ApiError(400, f"unknown field {prefix}{key!r}; allowed: {sorted(known)}"[:500], param=f"{prefix}{key}")
 
 
-def typed(body: dict, name: str, types: tuple, default: Any) -> Any:
-    value = body.get(name)
-    if value is None:
-        return default
-    if (isinstance(value, bool) and bool not in types) or not isinstance(value, types):
-        raise ApiError(400, f"{name} has the wrong type ({type(value).__name__})", param=name)
-    return value
-
-
 def _engine_error(exc: ValueError, known: set[str]) -> ApiError:
     msg = str(exc)
     return ApiError(400, msg, param=param_of(msg, known))
@@ -283,7 +267,8 @@ def create_app(engine: Rollout, server_args: ServerArgs) -> FastAPI:
 
     app = FastAPI(title="rollout-serve", version=VERSION, docs_url=None, redoc_url=None, openapi_url=None,
                   lifespan=lifespan)
-    metrics = Metrics(set())
+    ignored = IgnoredFields()
+    metrics = Metrics(set(), ignored)
     openai = OpenAIServing(engine, args.model_name, metrics)
     app.state.engine = engine
     app.state.updater = updater
@@ -333,130 +318,40 @@ def create_app(engine: Rollout, server_args: ServerArgs) -> FastAPI:
     def tokenize(texts: list[str]) -> list[list[int]]:
         return [engine.tokenizer.encode(t) for t in texts]
 
+    def _texts(text: Any) -> list[str]:
+        if isinstance(text, str):
+            return [text]
+        return [t for t in text if isinstance(t, str)] if isinstance(text, list) else []
+
     @app.post("/generate")
     async def generate(request: Request) -> Response:
         body = await read_json(request)
-        check_fields(body, GENERATE_FIELDS, GENERATE_IGNORED, GENERATE_ONLY_NULL)
-        text, ids = body.get("text"), body.get("input_ids")
-        if (text is None) == (ids is None):
-            raise ApiError(400, "give exactly one of text or input_ids", param="text")
-        if text is not None:
-            if isinstance(text, str):
-                batch, texts = False, [text]
-            elif isinstance(text, list) and text and all(isinstance(t, str) for t in text):
-                batch, texts = True, text
-            else:
-                raise ApiError(400, "text must be a string or a non-empty list of strings", param="text")
-            size = sum(len(t) for t in texts)
-            input_ids = await blocking(tokenize, texts) if size > 20000 else tokenize(texts)
-            for i, p in enumerate(input_ids):
-                if not p:
-                    raise ApiError(400, f"text[{i}] encodes to no tokens: a prompt needs at least one", param="text")
+        if sum(len(t) for t in _texts(body.get("text"))) > 20000:
+            call = await blocking(parse_generate, body)
         else:
-            if isinstance(ids, list) and ids and all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-                batch, input_ids = False, [ids]
-            elif isinstance(ids, list) and ids and all(isinstance(p, list) for p in ids):
-                batch, input_ids = True, ids
-            else:
-                raise ApiError(400, "input_ids must be a list of token ids or a non-empty list of such lists",
-                               param="input_ids")
-        sp = body.get("sampling_params")
-        sp_list = sp if isinstance(sp, list) else [sp]
-        for j, p in enumerate(sp_list):
-            if isinstance(p, dict):
-                check_fields(p, SAMPLING_FIELDS, only_null=SAMPLING_ONLY_NULL, prefix="sampling_params.")
-                sp_list[j] = {k: v for k, v in p.items() if k not in SAMPLING_ONLY_NULL}
-        sp = sp_list if isinstance(sp, list) else sp_list[0]
-        return_logprob = typed(body, "return_logprob", (bool,), False)
-        text_in_lp = typed(body, "return_text_in_logprobs", (bool,), False)
-        stream = typed(body, "stream", (bool,), False)
-        fmt = check_routing_format(body.get("routed_experts_format"))
-        start_len = body.get("logprob_start_len")
-        starts = start_len if isinstance(start_len, list) else [start_len] * len(input_ids)
-        if len(starts) != len(input_ids):
-            raise ApiError(400, f"logprob_start_len has {len(starts)} entries for {len(input_ids)} prompts",
-                           param="logprob_start_len")
-        for s, p in zip(starts, input_ids):
-            if s is None or s == -1:
-                continue
-            if isinstance(s, bool) or not isinstance(s, int) or (isinstance(p, list) and s < len(p)):
-                raise ApiError(400, "logprob_start_len must be -1 (or null), or >= the prompt length: prompt "
-                                    "(input) logprobs are not computed by this server", param="logprob_start_len")
-        kwargs = dict(input_ids=input_ids, sampling_params=sp, return_logprob=return_logprob,
-                      top_logprobs_num=typed(body, "top_logprobs_num", (int,), 0),
-                      return_routed_experts=typed(body, "return_routed_experts", (bool,), False),
-                      routed_experts_start_len=0 if body.get("routed_experts_start_len") is None
-                      else body["routed_experts_start_len"],
-                      rid=body.get("rid"), stream=stream,
-                      routed_dp_rank=body["routed_dp_rank"] if body.get("routed_dp_rank") is not None
-                      else body.get("data_parallel_rank"))
+            call = parse_generate(body)
         try:
-            es = EngineStream(engine, **kwargs)
+            es = EngineStream(engine, **call.kwargs)
         except ValueError as exc:
-            err = _engine_error(exc, GENERATE_FIELDS | SAMPLING_FIELDS)
-            if text is not None and err.param == "input_ids":
+            err = _engine_error(exc, ERROR_PARAMS)
+            if body.get("text") is not None and err.param == "input_ids":
                 err.param = "text"
             raise err from None
-        # rids are prompt-major, each prompt's n samples together
-        counts = [((sp_list[i] if isinstance(sp, list) else sp) or {}).get("n") or 1 for i in range(len(input_ids))]
-        plen = dict(zip(es.rids, (len(p) for p, n in zip(input_ids, counts) for _ in range(n))))
-        decode = (lambda t: engine.tokenizer.decode([t], skip_special_tokens=False)) if text_in_lp else (lambda t: None)
-
-        def fix_text(d: dict) -> dict:
-            meta = d["meta_info"]
-            if text_in_lp and "output_token_logprobs" in meta:
-                meta["output_token_logprobs"] = [[lp, t, decode(t)] for lp, t, _ in meta["output_token_logprobs"]]
-            if "routed_experts" in meta:
-                metrics.routing_bytes(fmt, len(meta["routed_experts"]))
-            return d
-
-        if not stream:
+        decode = lambda t: engine.tokenizer.decode([t], skip_special_tokens=False)  # noqa: E731
+        if not call.stream:
             outs = await es.outputs(request)
             metrics.finished(outs)
-            results = [fix_text(o.to_dict(fmt)) for o in outs]
-            return json_response(results if batch or len(results) > 1 else results[0])
-        index = {rid: i for i, rid in enumerate(es.rids)}
-        multi = batch or len(es.rids) > 1
-        done_tokens = {rid: 0 for rid in es.rids}
+            answer = as_response(call, outs, es.rids, decode)
+            for item in answer if isinstance(answer, list) else [answer]:
+                if "routed_experts" in item["meta_info"]:
+                    metrics.routing_bytes(call.fmt, len(item["meta_info"]["routed_experts"]))
+            return json_response(answer)
+        stream = GenerateStream(call, es, engine=engine, metrics=metrics, decode=decode)
+        return SSEResponse(stream.events(), es.close)
 
-        async def events() -> AsyncIterator[str]:
-            try:
-                async for chunk in es.items(keepalive=True):
-                    if chunk is None:
-                        yield ": keep-alive\n\n"
-                        continue
-                    done_tokens[chunk.rid] += len(chunk.output_ids)
-                    meta: dict[str, Any] = {"id": chunk.rid, "finish_reason": None,
-                                            "prompt_tokens": plen.get(chunk.rid),
-                                            "completion_tokens": done_tokens[chunk.rid],
-                                            "weight_version": engine.weight_version}
-                    if chunk.output_logprobs is not None:
-                        meta["output_token_logprobs"] = [[lp, t, decode(t)] for lp, t in
-                                                         zip(chunk.output_logprobs, chunk.output_ids)]
-                    if chunk.output_top_logprobs is not None:
-                        meta["output_top_logprobs"] = [[[lp, t, None] for lp, t in row]
-                                                       for row in chunk.output_top_logprobs]
-                    if chunk.routed_experts is not None:
-                        enc = encode_rows(chunk.routed_experts, fmt, chunk.routed_experts_start, info)
-                        metrics.routing_bytes(fmt, len(enc))
-                        meta["routed_experts"] = enc
-                        meta["routed_experts_start"] = chunk.routed_experts_start
-                    if chunk.finished:
-                        out = chunk.output
-                        metrics.finished([out])
-                        meta.update(finish_reason=dict(out.finish_info), cached_tokens=out.cached_tokens,
-                                    weight_version=out.weight_version, completion_tokens=out.completion_tokens)
-                        if out.routed_experts is not None:
-                            meta["routed_experts_start_len"] = out.routed_experts_start_len
-                    obj: dict[str, Any] = {"text": chunk.text, "output_ids": chunk.output_ids, "meta_info": meta}
-                    if multi:
-                        obj["index"] = index[chunk.rid]
-                    yield sse(obj)
-            except EngineDeadError as exc:
-                yield sse(error_body(str(exc), "server_error", code=503))
-            yield "data: [DONE]\n\n"
-
-        return SSEResponse(events(), es.close)
+    def parse_generate(body: dict) -> GenerateCall:
+        return GenerateCall.parse(body, ignored, tokenize=tokenize,
+                                  incremental_default=args.incremental_streaming_output)
 
     # ---- OpenAI ----
     @app.post("/v1/completions")
