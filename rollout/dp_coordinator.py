@@ -253,6 +253,10 @@ class DPCoordinator:
         # NOTE: each rank refuses while its requests hold KV; ranks that could flush did (harmless)
         return all(self._call_all("flush_cache"))
 
+    def set_weight_version(self, version: str) -> None:
+        self._call_all("set_weight_version", version)
+        self.weight_version = version
+
     def check_integrity(self) -> None:
         self._call_all("check_integrity")
 

@@ -462,6 +462,14 @@ class Rollout:
     def continue_generation(self) -> bool:
         return self._call(lambda core: core.resume())
 
+    def set_weight_version(self, version: str, *, abort_all_requests: bool = False) -> int:
+        """Relabels the weights (outputs finished from now on carry it); returns the requests aborted."""
+        def relabel(core: EngineCore) -> int:
+            aborted = core.abort_all() if abort_all_requests else 0
+            core.set_weight_version(version)
+            return aborted
+        return self._call(relabel)
+
     def loads(self) -> list[dict]:
         return self._call(lambda core: core.load_report())
 

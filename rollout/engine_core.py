@@ -478,6 +478,10 @@ class EngineCore:
         self.stats["weight_updates"] = self.stats.get("weight_updates", 0) + 1
         return count
 
+    def set_weight_version(self, version: str) -> None:
+        """Relabels the weights (SGLang's /update_weight_version); nothing else changes."""
+        self.weight_version = version
+
     def load_report(self) -> list[dict]:
         """Running/waiting requests and KV use per DP rank (one rank in this process)."""
         used, total = self.kv_pool.used(), self.kv_pool.num_slots

@@ -19,7 +19,6 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator, Callable, Optional, Sequence
-from urllib.parse import parse_qs
 
 from fastapi import FastAPI
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -27,8 +26,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from rollout.engine import EngineDeadError, Rollout
-from rollout.engine_core import EngineCore
-from rollout.generate_request import ERROR_PARAMS, GenerateCall, as_response, typed
+from rollout.control_routes import add_control_routes
+from rollout.generate_request import ERROR_PARAMS, GenerateCall, as_response
 from rollout.generate_stream import GenerateStream
 from rollout.health import GenerateHealth
 from rollout.ignored_fields import IgnoredFields
@@ -36,17 +35,16 @@ from rollout.openai_api import (ApiError, ClientGone, EngineStream, OpenAIServin
                                 json_response, param_of)
 from rollout.output import RolloutOutput
 from rollout.server_args import ServerArgs
+from rollout.server_info import VERSION, ServerInfo
 from rollout.unicode_check import body_may_hold_surrogates, invalid_unicode_field
 from rollout.weight_updater import WeightUpdateError, WeightUpdater
 
 logger = logging.getLogger("rollout.server")
-VERSION = "0.1.0"
 WEIGHT_PATHS = frozenset({"/update_weights_from_disk", "/update_weights_from_tensor", "/init_weights_update_group",
-                          "/update_weights_from_distributed", "/destroy_weights_update_group"})
+                          "/update_weights_from_distributed", "/destroy_weights_update_group",
+                          "/update_weight_version"})
 ADMIN_PATHS = WEIGHT_PATHS | {"/pause_generation", "/continue_generation", "/flush_cache", "/debug/integrity"}
 PUBLIC_PATHS = frozenset({"/health"})
-WEIGHT_IGNORED = {"flush_cache", "load_format", "is_async", "torch_empty_cache", "keep_pause", "recapture_cuda_graph",
-                  "token_step"}
 
 
 class BodyTooLarge(Exception):
@@ -232,18 +230,6 @@ async def read_json(request: Request, *, allow_empty: bool = False) -> dict:
     return obj
 
 
-def check_fields(body: dict, known: set[str], ignored: set[str] = frozenset(), only_null: set[str] = frozenset(),
-                 prefix: str = "") -> None:
-    for key, value in body.items():
-        if key in known or key in ignored:
-            continue
-        if key in only_null:
-            if value in (None, False):
-                continue
-            raise ApiError(400, f"{prefix}{key} is not supported by this server", param=f"{prefix}{key}")
-        raise ApiError(400, f"unknown field {prefix}{key!r}; allowed: {sorted(known)}"[:500], param=f"{prefix}{key}")
-
-
 def _engine_error(exc: ValueError, known: set[str]) -> ApiError:
     msg = str(exc)
     return ApiError(400, msg, param=param_of(msg, known))
@@ -269,8 +255,9 @@ def create_app(engine: Rollout, server_args: ServerArgs) -> FastAPI:
                   lifespan=lifespan)
     ignored = IgnoredFields()
     metrics = Metrics(set(), ignored)
-    openai = OpenAIServing(engine, args.model_name, metrics)
+    openai = OpenAIServing(engine, args.model_name, metrics, incremental_streaming=args.incremental_streaming_output)
     app.state.engine = engine
+    server_info = ServerInfo(engine, args)
     app.state.updater = updater
     info = engine.info
 
@@ -366,124 +353,8 @@ def create_app(engine: Rollout, server_args: ServerArgs) -> FastAPI:
     async def v1_models() -> Response:
         return json_response(openai.models())
 
-    # ---- control ----
-    @app.post("/abort_request")
-    async def abort_request(request: Request) -> Response:
-        body = await read_json(request, allow_empty=True)
-        check_fields(body, {"rid", "abort_all", "abort_message"})
-        abort_all = typed(body, "abort_all", (bool,), False)
-        rid = typed(body, "rid", (str,), None)
-        if abort_all:
-            if args.admin_api_key and request.state.auth_level != "admin":
-                raise ApiError(403 if request.state.auth_level else 401, "abort_all needs the admin API key",
-                               type="authentication_error")
-            return json_response({"success": True, "num_aborted": await blocking(engine.abort_all)})
-        if not rid:
-            raise ApiError(400, "give rid (a non-empty string) or abort_all: true", param="rid")
-        found = await blocking(engine.abort, rid)
-        return json_response({"success": True, "num_aborted": int(bool(found))})
-
-    @app.post("/pause_generation")
-    async def pause_generation(request: Request) -> Response:
-        body = await read_json(request, allow_empty=True)
-        check_fields(body, {"mode"})
-        mode = body.get("mode", "abort")
-        if mode not in EngineCore.PAUSE_MODES:
-            raise ApiError(400, f"mode must be one of {list(EngineCore.PAUSE_MODES)}, got {mode!r}"[:300],
-                           param="mode")
-        count = await blocking(engine.pause_generation, mode)
-        return json_response({"success": True, "mode": mode, "num_requests": count,
-                              "message": f"generation paused ({mode})"})
-
-    @app.post("/continue_generation")
-    async def continue_generation(request: Request) -> Response:
-        body = await read_json(request, allow_empty=True)
-        check_fields(body, set(), ignored={"torch_empty_cache"})
-        was = await blocking(engine.continue_generation)
-        return json_response({"success": True, "message": "generation continued" if was else "was not paused"})
-
-    @app.api_route("/flush_cache", methods=["GET", "POST"])
-    async def flush_cache() -> Response:
-        if await blocking(engine.flush_cache):
-            return json_response({"success": True, "message": "Cache flushed."})
-        loads = await blocking(engine.loads)
-        running = sum(ld["num_running_reqs"] for ld in loads)
-        waiting = sum(ld["num_waiting_reqs"] for ld in loads)
-        raise ApiError(400, f"cannot flush the cache while requests are in flight ({running} running, "
-                            f"{waiting} waiting); retry later")
-
-    # ---- weights ----
-    async def weights_call(fn: Callable, *a: Any) -> Response:
-        return json_response(await blocking(fn, *a, pool=weight_pool))
-
-    @app.post("/update_weights_from_disk")
-    async def update_weights_from_disk(request: Request) -> Response:
-        body = await read_json(request)
-        check_fields(body, {"model_path", "weight_version", "abort_all_requests"}, WEIGHT_IGNORED)
-        return await weights_call(updater.update_from_disk, body.get("model_path"), body.get("weight_version"),
-                                  body.get("abort_all_requests", False))
-
-    @app.post("/update_weights_from_tensor")
-    async def update_weights_from_tensor(request: Request) -> Response:
-        ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
-        if ctype == "application/json":
-            body = await read_json(request)
-            check_fields(body, {"serialized_named_tensors", "weight_version", "abort_all_requests"}, WEIGHT_IGNORED)
-            if body.get("load_format") not in (None, "safetensors"):
-                raise WeightUpdateError("load_format must be 'safetensors' (or null): pickled tensors are never loaded")
-            data = body.get("serialized_named_tensors")
-            if isinstance(data, list) and len(data) == 1:
-                data = data[0]
-            if not isinstance(data, str):
-                raise WeightUpdateError("serialized_named_tensors must be a base64 string of safetensors bytes")
-            import base64
-            import binascii
-            try:
-                raw = base64.b64decode(data, validate=True)
-            except (binascii.Error, ValueError):
-                raise WeightUpdateError("serialized_named_tensors is not valid base64") from None
-            version, abort = body.get("weight_version"), body.get("abort_all_requests", False)
-        else:
-            raw = await request.body()
-            query = parse_qs(request.url.query, keep_blank_values=True)
-            unknown = sorted(set(query) - {"weight_version", "abort_all_requests"})
-            if unknown:
-                raise WeightUpdateError(f"unknown query parameter(s) {unknown}"[:300])
-            version = query.get("weight_version", [None])[-1]
-            flag = query.get("abort_all_requests", ["false"])[-1].lower()
-            if flag not in ("true", "false", "1", "0"):
-                raise WeightUpdateError("abort_all_requests must be true or false")
-            abort = flag in ("true", "1")
-        return await weights_call(updater.update_from_safetensors, raw, version, abort)
-
-    @app.post("/init_weights_update_group")
-    async def init_weights_update_group(request: Request) -> Response:
-        body = await read_json(request)
-        fields = {"master_address", "master_port", "rank_offset", "world_size", "group_name", "backend", "timeout_s"}
-        check_fields(body, fields)
-        kw = {k: body.get(k) for k in fields if k in body}
-        kw.setdefault("backend", "gloo")
-        for k in ("master_address", "master_port", "rank_offset", "world_size", "group_name"):
-            kw.setdefault(k, None)
-        return await weights_call(lambda: updater.init_group(**kw))
-
-    @app.post("/update_weights_from_distributed")
-    async def update_weights_from_distributed(request: Request) -> Response:
-        body = await read_json(request)
-        check_fields(body, {"names", "dtypes", "shapes", "weight_version", "abort_all_requests", "group_name"},
-                     WEIGHT_IGNORED)
-        return await weights_call(updater.update_from_distributed, body.get("names"), body.get("dtypes"),
-                                  body.get("shapes"), body.get("weight_version"), body.get("abort_all_requests", False))
-
-    @app.post("/destroy_weights_update_group")
-    async def destroy_weights_update_group(request: Request) -> Response:
-        body = await read_json(request, allow_empty=True)
-        check_fields(body, {"group_name"})
-        return await weights_call(updater.destroy_group, body.get("group_name"))
-
-    @app.api_route("/get_weight_version", methods=["GET", "POST"])
-    async def get_weight_version() -> Response:
-        return json_response({"weight_version": engine.weight_version})
+    add_control_routes(app, engine=engine, args=args, updater=updater, read_json=read_json, blocking=blocking,
+                       weight_pool=weight_pool, ignored=ignored)
 
     # ---- state ----
     @app.get("/health")
@@ -503,28 +374,15 @@ def create_app(engine: Rollout, server_args: ServerArgs) -> FastAPI:
             return json_response(error_body(body["message"], "server_error", code=status), status)
         return json_response(body)
 
-    def model_info() -> dict:
-        return {"model_path": engine.config.model_path, "tokenizer_path": engine.config.resolved_tokenizer_path,
-                "is_generation": True, "architecture": info.architecture, "num_hidden_layers": info.num_hidden_layers,
-                "num_experts": info.num_experts, "num_experts_per_tok": info.top_k,
-                "moe_layer_ids": list(info.moe_layer_ids), "vocab_size": info.vocab_size,
-                "context_length": engine.context_length, "max_total_num_tokens": engine.kv_capacity,
-                "served_model_name": args.model_name, "weight_version": engine.weight_version,
-                "routed_experts_formats": list(("int32", "compact")),
-                "enable_return_routed_experts": engine.config.enable_return_routed_experts}
-
     @app.get("/model_info")
     @app.get("/get_model_info")
     async def get_model_info() -> Response:
-        return json_response(model_info())
+        return json_response(server_info.model_info())
 
     @app.get("/server_info")
     @app.get("/get_server_info")
-    async def server_info() -> Response:
-        stats = await blocking(engine.stats)
-        return json_response({**args.redacted(), "version": VERSION, "weight_version": engine.weight_version,
-                              "paused": engine.paused_mode, "model_info": model_info(),
-                              "max_total_num_tokens": engine.kv_capacity, "internal_states": [stats]})
+    async def get_server_info() -> Response:
+        return json_response(server_info.server_info(await blocking(engine.stats), await blocking(engine.loads)))
 
     @app.get("/v1/loads")
     async def v1_loads() -> Response:

@@ -181,11 +181,12 @@ def test_openai_completions(server, client, shape):
     assert torch.allclose(torch.tensor(choice.logprobs.token_logprobs),
                           torch.tensor([lp for lp, _, _ in native["meta_info"]["output_token_logprobs"]]), atol=1e-6)
     assert 1 <= len(choice.logprobs.top_logprobs[0]) <= 2  # a dict by decoded token text: may collide
-    ext = choice.model_extra["sgl_ext"]
+    ext = res.model_extra["sglext"]
     assert ext["routed_experts"] == native["meta_info"]["routed_experts"]
     stream = oa.completions.create(model="tiny-moe", prompt=prompt, max_tokens=12, temperature=0, stream=True,
                                    extra_body={"ignore_eos": True, "return_routed_experts": True,
-                                               "routed_experts_format": "compact"},
+                                               "routed_experts_format": "compact",
+                                               "incremental_streaming_output": True},
                                    stream_options={"include_usage": True})
     parts, rows, usage = [], [], None
     for ev in stream:
@@ -193,8 +194,8 @@ def test_openai_completions(server, client, shape):
             usage = ev.usage
         for c in ev.choices:
             parts.append(c.text)
-            if c.model_extra.get("sgl_ext"):
-                rows.append(decode_routed_experts(c.model_extra["sgl_ext"]["routed_experts"], "compact"))
+        if ev.model_extra.get("sglext"):
+            rows.append(decode_routed_experts(ev.model_extra["sglext"]["routed_experts"], "compact"))
     assert "".join(parts) == native["text"] and usage.completion_tokens == 12
     assert torch.equal(torch.cat(rows), decode(native["meta_info"], "int32", shape))
     batch = oa.completions.create(model="tiny-moe", prompt=[[5, 6, 7], [8, 9]], max_tokens=3, temperature=0, n=2)
@@ -214,7 +215,7 @@ def test_openai_chat(server, client, ref):
     assert res.choices[0].message.content == native["text"] and res.choices[0].message.role == "assistant"
     assert len(res.choices[0].logprobs.content) == 12 and len(res.choices[0].logprobs.content[0].top_logprobs) == 3
     assert res.usage.prompt_tokens == len(ids)
-    ext = res.choices[0].model_extra["sgl_ext"]
+    ext = res.model_extra["sglext"]
     assert decode_routed_experts(ext["routed_experts"], "int32", num_layers=4, top_k=4).shape[0] == len(ids) + 11
     stream = oa.chat.completions.create(model="tiny-moe", messages=messages, max_tokens=12, temperature=0,
                                         stream=True, extra_body={"ignore_eos": True})
