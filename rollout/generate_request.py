@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 from rollout.ignored_fields import FieldPolicy, IgnoredFields
-from rollout.openai_api import ApiError, check_routing_format
+from rollout.openai_api import ApiError, check_routing_format, encode_rows
 from rollout.output import RolloutOutput
 
 GENERATE = FieldPolicy(
@@ -15,7 +15,8 @@ GENERATE = FieldPolicy(
     acted=frozenset({"text", "input_ids", "sampling_params", "rid", "return_logprob", "logprob_start_len",
                      "top_logprobs_num", "return_routed_experts", "routed_experts_start_len",
                      "routed_experts_format", "stream", "return_text_in_logprobs", "data_parallel_rank",
-                     "routed_dp_rank", "cache_salt", "extra_key", "incremental_streaming_output"}),
+                     "routed_dp_rank", "cache_salt", "extra_key", "incremental_streaming_output",
+                     "routed_experts_dtype"}),
     # SGLang fields that change nothing in the result here (logging, disaggregation, scheduling hints)
     accepted=frozenset({"log_metrics", "bootstrap_host", "bootstrap_port", "bootstrap_room", "bootstrap_pair_key",
                         "priority", "custom_labels", "no_logs", "conversation_id", "background",
@@ -33,6 +34,9 @@ SAMPLING = FieldPolicy(
     accepted=frozenset({"custom_params"}),
     only_null=frozenset({"json_schema", "regex", "ebnf", "structural_tag", "logit_bias"}))
 # names an engine ValueError may start with, mapped to the request's `param`
+# routed_experts_dtype (slime's streaming rollout sends it): raw little-endian ids of this width; for
+# uint8 the -1 of a dense layer is 255
+ROUTING_DTYPES = {"int32": "<i4", "int16": "<i2", "uint8": "u1"}
 ERROR_PARAMS = GENERATE.acted | SAMPLING.acted | {"sampling_params", "prompts", "context"}
 
 
@@ -65,11 +69,12 @@ class GenerateCall:
     incremental: bool              # incremental streaming chunks (else SGLang's cumulative)
     text_in_logprobs: bool
     logprob_starts: list[int]      # per prompt: first position of input_token_logprobs
+    routing_dtype: str = "int32"
     t0: float = field(default_factory=time.time)
 
     @staticmethod
     def parse(body: dict, ignored: IgnoredFields, *, tokenize: Callable[[list[str]], list[list[int]]],
-              incremental_default: bool) -> "GenerateCall":
+              incremental_default: bool, num_experts: int = 0) -> "GenerateCall":
         body = GENERATE.screen(body, ignored)
         text, ids = body.get("text"), body.get("input_ids")
         if (text is None) == (ids is None):
@@ -122,8 +127,16 @@ class GenerateCall:
                       routed_experts_start_len=0 if start_len is None else start_len, rid=rid, stream=stream,
                       routed_dp_rank=body["routed_dp_rank"] if body.get("routed_dp_rank") is not None
                       else body.get("data_parallel_rank"), cache_salt=salts)
+        fmt = check_routing_format(body.get("routed_experts_format"))
+        dtype = body.get("routed_experts_dtype") or "int32"
+        if dtype not in ROUTING_DTYPES or (dtype != "int32" and fmt != "int32"):
+            raise ApiError(400, f"routed_experts_dtype must be one of {list(ROUTING_DTYPES)} (with the int32 "
+                                f"routed_experts_format), got {dtype!r}"[:300], param="routed_experts_dtype")
+        if num_experts > {"int32": 2**31, "int16": 2**15, "uint8": 2**8}[dtype]:
+            raise ApiError(400, f"routed_experts_dtype {dtype!r} cannot hold the ids of {num_experts} experts",
+                           param="routed_experts_dtype")
         return GenerateCall(
-            kwargs=kwargs, batch=batch, prompts=prompts, fmt=check_routing_format(body.get("routed_experts_format")),
+            kwargs=kwargs, routing_dtype=dtype, batch=batch, prompts=prompts, fmt=fmt,
             stream=stream, text_in_logprobs=typed(body, "return_text_in_logprobs", (bool,), False),
             incremental=typed(body, "incremental_streaming_output", (bool,), incremental_default),
             logprob_starts=starts)
@@ -144,6 +157,8 @@ class GenerateCall:
     def meta_info(self, out: RolloutOutput, prompt: int, decode: Callable[[int], str]) -> dict[str, Any]:
         """SGLang's meta_info for a finished request (e2e_latency from the request's arrival)."""
         meta = out.meta_info(self.fmt)
+        if out.routed_experts is not None and self.routing_dtype != "int32":
+            meta["routed_experts"] = self.encode_routing(out.routed_experts, out.routed_experts_start_len, None)
         meta["total_retractions"] = out.num_retractions
         meta["e2e_latency"] = time.time() - self.t0
         if out.output_logprobs is not None:
@@ -153,6 +168,17 @@ class GenerateCall:
             if out.output_top_logprobs is not None:
                 meta["output_top_logprobs"] = [[entry(lp, t) for lp, t in row] for row in out.output_top_logprobs]
         return meta
+
+    def encode_routing(self, rows: Any, start: int, info: Any) -> str:
+        """[rows, L, K] ids in this request's wire format (int32 / compact / routed_experts_dtype)."""
+        if self.routing_dtype != "int32":
+            import base64  # noqa: PLC0415
+
+            import numpy as np  # noqa: PLC0415
+
+            arr = rows.numpy() if hasattr(rows, "numpy") else np.asarray(rows)
+            return base64.b64encode(np.ascontiguousarray(arr.astype(ROUTING_DTYPES[self.routing_dtype]))).decode()
+        return encode_rows(rows, self.fmt, start, info)
 
     def input_logprobs(self, prompt: int, top: bool, decode: Callable[[int], str]) -> dict[str, Any]:
         """input_token_logprobs from logprob_start_len on: the first entry has no logprob (null), as SGLang."""

@@ -13,7 +13,7 @@ from typing import Any, AsyncIterator, Callable
 
 from rollout.engine import EngineDeadError
 from rollout.generate_request import GenerateCall
-from rollout.openai_api import EngineStream, encode_rows, error_body, sse
+from rollout.openai_api import EngineStream, error_body, sse
 from rollout.stream_chunk import StreamChunk
 
 
@@ -108,7 +108,7 @@ class GenerateStream:
         else:
             meta.pop("output_top_logprobs", None)
         if chunk.routed_experts is not None:
-            enc = encode_rows(chunk.routed_experts, self.call.fmt, chunk.routed_experts_start, self.engine.info)
+            enc = self.call.encode_routing(chunk.routed_experts, chunk.routed_experts_start, self.engine.info)
             self.metrics.routing_bytes(self.call.fmt, len(enc))
             meta["routed_experts"] = enc
             meta["routed_experts_start"] = chunk.routed_experts_start

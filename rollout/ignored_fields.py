@@ -61,11 +61,13 @@ class FieldPolicy:
     prefix: str = ""
 
     def screen(self, body: dict, ignored: IgnoredFields) -> dict:
-        """The body without the only-null and unknown keys (raises ApiError on a refused value)."""
+        """The acted-on fields of body (raises ApiError on a refused value)."""
         kept = {}
         for key, value in body.items():
-            if key in self.acted or key in self.accepted:
+            if key in self.acted:
                 kept[key] = value
+            elif key in self.accepted:
+                continue
             elif key in self.only_null:
                 if not is_null(value):
                     raise ApiError(400, f"{self.prefix}{key} is not supported by this server (only null or "

@@ -338,7 +338,7 @@ def create_app(engine: Rollout, server_args: ServerArgs) -> FastAPI:
 
     def parse_generate(body: dict) -> GenerateCall:
         return GenerateCall.parse(body, ignored, tokenize=tokenize,
-                                  incremental_default=args.incremental_streaming_output)
+                                  incremental_default=args.incremental_streaming_output, num_experts=info.num_experts)
 
     # ---- OpenAI ----
     @app.post("/v1/completions")
