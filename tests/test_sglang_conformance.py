@@ -293,3 +293,52 @@ def test_pickled_tensors_need_the_flag(client):
                                                           "load_format": "flattened_bucket", "flush_cache": True})
     assert r.status_code == 400 and "--allow-pickled-weight-tensors" in r.json()["message"]
     assert json.loads(r.text)["success"] is False
+
+
+# ---- trainer_bridge against an SGLang-shaped server -------------------------------------------------
+SGLANG_MODEL_INFO = ("model_path", "tokenizer_path", "is_generation", "preferred_sampling_params", "weight_version",
+                     "has_image_understanding", "has_audio_understanding", "model_type", "architectures")
+
+
+class SGLangLike(httpx.AsyncBaseTransport):
+    """Forwards to the real server what SGLang would see and answers what SGLang would answer: a
+    /model_info without our routing-shape fields, and /generate bodies without our extensions
+    (SGLang ignores routed_experts_format and incremental_streaming_output: int32, cumulative)."""
+
+    def __init__(self):
+        self.inner = httpx.AsyncHTTPTransport()
+
+    async def handle_async_request(self, request):
+        if request.url.path == "/generate":
+            body = json.loads(request.content)
+            body.pop("routed_experts_format", None)
+            body.pop("incremental_streaming_output", None)
+            request = httpx.Request(request.method, request.url, json=body,
+                                    headers={k: v for k, v in request.headers.items() if k != "content-length"})
+        response = await self.inner.handle_async_request(request)
+        if request.url.path == "/model_info":
+            await response.aread()
+            info = {k: v for k, v in response.json().items() if k in SGLANG_MODEL_INFO}
+            return httpx.Response(200, json=info)
+        return response
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_trainer_bridge_client_against_sglang_shapes(server, stream):
+    import asyncio
+
+    from trainer_bridge.client import RolloutClient
+
+    params = {"temperature": 1.0, "max_new_tokens": 6}
+
+    async def go(transport, model_config):
+        async with RolloutClient(server.url, stream=stream, transport=transport, model_config=model_config) as c:
+            return c.info, await c.generate_groups([prompt(9, 10), prompt(10, 7)], 2, params, seed=5,
+                                                   rid_prefix=f"{stream}-{transport is not None}-")
+    info, like = asyncio.run(go(SGLangLike(), None))   # the model_path /model_info reports is readable here
+    assert (info.num_layers, info.top_k, info.num_experts) == (L, K, 16)
+    _, ours = asyncio.run(go(None, None))
+    for a, b in zip(like, ours):
+        assert a.response_ids.tolist() == b.response_ids.tolist()
+        assert torch.equal(a.routed_experts, b.routed_experts)
+        assert torch.allclose(a.rollout_logprobs, b.rollout_logprobs, atol=1e-5)
