@@ -239,9 +239,12 @@ class Rollout:
 
     def _build(self, prompts: Any, input_ids: Any, sampling_params: ParamsArg, return_logprob: Any,
                top_logprobs_num: Any, return_routed_experts: Any, routed_experts_start_len: Any, rid: Any,
-               stream: bool, routed_dp_rank: Any = None, cache_salt: Any = None) -> list[Req]:
+               stream: bool, routed_dp_rank: Any = None, cache_salt: Any = None,
+               logprob_start_len: Any = -1) -> list[Req]:
         """return_logprob, top_logprobs_num, return_routed_experts, routed_experts_start_len, rid,
-        routed_dp_rank and cache_salt: one value for every prompt or a list with one per prompt."""
+        routed_dp_rank, cache_salt and logprob_start_len: one value for every prompt or a list with
+        one per prompt. logprob_start_len >= 0 (with return_logprob): the output's input_logprobs hold
+        the raw logprobs of prompt tokens logprob_start_len+1 .. len-1."""
         batch = self._prompt_ids(prompts, input_ids)
         n_prompts = len(batch)
         if isinstance(sampling_params, (list, tuple)):
@@ -254,6 +257,7 @@ class Rollout:
         tops = self._per_prompt("top_logprobs_num", top_logprobs_num, n_prompts, ())
         want_routes = self._per_prompt("return_routed_experts", return_routed_experts, n_prompts, ())
         salts = self._per_prompt("cache_salt", cache_salt, n_prompts, (str,))
+        lp_starts = self._per_prompt("logprob_start_len", logprob_start_len, n_prompts, ())
         top_max = min(MAX_TOP_LOGPROBS, self.info.vocab_size)
         for lp, top, route, salt in zip(want_lp, tops, want_routes, salts):
             if not isinstance(lp, bool):
@@ -272,8 +276,14 @@ class Rollout:
         capacity = self._core.kv_capacity
         dp_ranks = self._per_prompt("routed_dp_rank", routed_dp_rank, n_prompts, ())
         reqs: list[Req] = []
-        for i, (ids, p, start, r, dp_rank, lp, top, route, salt) in enumerate(
-                zip(batch, params, starts, rids, dp_ranks, want_lp, tops, want_routes, salts)):
+        for i, (ids, p, start, r, dp_rank, lp, top, route, salt, lp_start) in enumerate(
+                zip(batch, params, starts, rids, dp_ranks, want_lp, tops, want_routes, salts, lp_starts)):
+            if isinstance(lp_start, bool) or not isinstance(lp_start, int) or lp_start < -1:
+                raise ValueError(f"logprob_start_len must be -1 or an integer >= 0, got {lp_start!r}")
+            lp_start = lp_start if lp and 0 <= lp_start < len(ids) - 1 else -1
+            if lp_start >= 0 and self.config.dp_size > 1:
+                raise ValueError("logprob_start_len below the prompt length (prompt logprobs) is not supported "
+                                 "with dp_size > 1")
             if dp_rank is not None and (isinstance(dp_rank, bool) or not isinstance(dp_rank, int)
                                         or not 0 <= dp_rank < self.config.dp_size):
                 raise ValueError(f"routed_dp_rank must be None or an integer in [0, {self.config.dp_size}) "
@@ -299,7 +309,8 @@ class Rollout:
                     rid=child, prompt_ids=list(ids), params=p, seed=_derive_seed(seed, k),
                     return_logprob=lp, top_logprobs_num=top, return_routed_experts=route,
                     routed_experts_start_len=start, stream=stream, max_total_len=self._core.context_length,
-                    detokenizer=detok, routed_dp_rank=dp_rank, cache_ns=cache_namespace(salt)))
+                    detokenizer=detok, routed_dp_rank=dp_rank, cache_ns=cache_namespace(salt),
+                    prompt_logprob_start=lp_start))
         seen = [r.rid for r in reqs]
         if len(set(seen)) != len(seen):
             raise ValueError("rid values must be unique within a call")
@@ -344,15 +355,16 @@ class Rollout:
     def generate(self, prompts: Any = None, sampling_params: ParamsArg = None, *, input_ids: Any = None,
                  return_logprob: bool = False, top_logprobs_num: int = 0, return_routed_experts: bool = False,
                  routed_experts_start_len: Any = 0, rid: Any = None, stream: bool = False,
-                 routed_dp_rank: Any = None,
-                 cache_salt: Any = None) -> Union[list[RolloutOutput], Iterator[StreamChunk]]:
+                 routed_dp_rank: Any = None, cache_salt: Any = None,
+                 logprob_start_len: Any = -1) -> Union[list[RolloutOutput], Iterator[StreamChunk]]:
         """Outputs in prompt order (each prompt's n samples together); stream=True yields chunks.
 
         routed_dp_rank (dp_size > 1): pin the requests (or each prompt, given a list) to one DP rank;
         None lets the engine pick the least loaded rank. cache_salt: requests share prefix-cache
         entries (KV and routing rows) only with requests of the same salt (None: the shared space)."""
         reqs = self._build(prompts, input_ids, sampling_params, return_logprob, top_logprobs_num,
-                           return_routed_experts, routed_experts_start_len, rid, stream, routed_dp_rank, cache_salt)
+                           return_routed_experts, routed_experts_start_len, rid, stream, routed_dp_rank, cache_salt,
+                           logprob_start_len)
         q: "queue.Queue[Any]" = queue.Queue()
         rids = self._submit(reqs, q.put)
         if stream:
@@ -384,10 +396,12 @@ class Rollout:
     def async_generate(self, prompts: Any = None, sampling_params: ParamsArg = None, *, input_ids: Any = None,
                        return_logprob: bool = False, top_logprobs_num: int = 0, return_routed_experts: bool = False,
                        routed_experts_start_len: Any = 0, rid: Any = None, stream: bool = False,
-                       routed_dp_rank: Any = None, cache_salt: Any = None) -> AsyncGeneration:
+                       routed_dp_rank: Any = None, cache_salt: Any = None,
+                       logprob_start_len: Any = -1) -> AsyncGeneration:
         """`await engine.async_generate(...)` -> outputs; `async for c in engine.async_generate(..., stream=True)`."""
         reqs = self._build(prompts, input_ids, sampling_params, return_logprob, top_logprobs_num,
-                           return_routed_experts, routed_experts_start_len, rid, stream, routed_dp_rank, cache_salt)
+                           return_routed_experts, routed_experts_start_len, rid, stream, routed_dp_rank, cache_salt,
+                           logprob_start_len)
         return AsyncGeneration(lambda sink: self._submit(reqs, sink), stream)
 
     def abort(self, rid: str) -> bool:
@@ -441,12 +455,14 @@ class Rollout:
     def submit(self, sink: Callable[[Any], None], prompts: Any = None, sampling_params: ParamsArg = None, *,
                input_ids: Any = None, return_logprob: bool = False, top_logprobs_num: int = 0,
                return_routed_experts: bool = False, routed_experts_start_len: Any = 0, rid: Any = None,
-               stream: bool = False, routed_dp_rank: Any = None, cache_salt: Any = None) -> list[str]:
+               stream: bool = False, routed_dp_rank: Any = None, cache_salt: Any = None,
+               logprob_start_len: Any = -1) -> list[str]:
         """Validates and queues like generate(); sink(item) is then called on the engine thread with
         each StreamChunk (stream) or RolloutOutput, or an exception. Returns the request ids in
         output order (prompt-major)."""
         reqs = self._build(prompts, input_ids, sampling_params, return_logprob, top_logprobs_num,
-                           return_routed_experts, routed_experts_start_len, rid, stream, routed_dp_rank, cache_salt)
+                           return_routed_experts, routed_experts_start_len, rid, stream, routed_dp_rank, cache_salt,
+                           logprob_start_len)
         return self._submit(reqs, sink)
 
     def abort_nowait(self, rids: Sequence[str]) -> None:

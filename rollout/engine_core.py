@@ -212,6 +212,8 @@ class EngineCore:
         if batch.is_prefill:
             for req in batch.reqs:
                 self.scheduler.cache_unfinished(req)
+        if out.token_logits is not None:
+            self._record_prompt_logprobs(batch, out.token_logits)
         self.stats["num_forwards"] += 1
         self.stats["num_prefill_forwards" if batch.is_prefill else "num_decode_forwards"] += 1
         if batch.is_prefill or not all(r.output_ids for r in batch.reqs):
@@ -283,6 +285,22 @@ class EngineCore:
             elif req.stream and len(req.output_ids) - req.sent_tokens >= (
                     req.params.stream_interval or default_interval):
                 self._emit_chunk(req, finished=False)
+
+    @staticmethod
+    def _record_prompt_logprobs(batch: Any, token_logits: torch.Tensor) -> None:
+        """Input logprobs of the prompt tokens this prefill's logits predict (raw log-softmax)."""
+        offset = 0
+        for req, pre, ext in zip(batch.reqs, batch.prefix_lens, batch.extend_lens):
+            nxt = req.prompt_logprob_start + len(req.input_logprobs)   # position whose logits come next
+            hi = min(pre + ext, len(req.prompt_ids) - 1)
+            if req.needs_prompt_logprobs and pre <= nxt < hi:
+                lp = torch.log_softmax(token_logits[offset + nxt - pre:offset + hi - pre], dim=-1)  # [n, vocab]
+                toks = torch.tensor(req.prompt_ids[nxt + 1:hi + 1], device=lp.device)
+                req.input_logprobs.extend(lp.gather(1, toks[:, None]).squeeze(1).tolist())
+                if req.top_logprobs_num:
+                    val, idx = lp.topk(req.top_logprobs_num, dim=-1)
+                    req.input_top_logprobs.extend(list(zip(v, i)) for v, i in zip(val.tolist(), idx.tolist()))
+            offset += ext
 
     def _banned_ids(self, req: Req) -> list[int]:
         if len(req.output_ids) >= req.params.min_new_tokens:
@@ -367,7 +385,9 @@ class EngineCore:
             cached_tokens=req.cached_tokens, weight_version=self.weight_version,
             routed_experts=routed, routed_experts_start_len=req.routed_experts_start_len,
             num_experts=self.info.num_experts, moe_layer_ids=self.info.moe_layer_ids,
-            num_retractions=req.num_retractions)
+            num_retractions=req.num_retractions,
+            input_logprobs=list(req.input_logprobs) if req.prompt_logprob_start >= 0 else None,
+            input_top_logprobs=list(req.input_top_logprobs) if req.prompt_logprob_start >= 0 else None)
         if req.stream:
             self._emit_chunk(req, finished=True, output=output)
         self.scheduler.remove(req)

@@ -104,16 +104,14 @@ class GenerateCall:
         elif isinstance(sp, dict):
             sp = SAMPLING.screen(sp, ignored)
         return_logprob = _per_prompt(body, "return_logprob", count, (bool,), False)
-        starts = []
-        for i, (s, p) in enumerate(zip(_per_prompt(body, "logprob_start_len", count, (int,), -1), prompts)):
-            if s == -1 or (isinstance(p, list) and s >= len(p)):
-                starts.append(max(0, len(p) - 1) if isinstance(p, list) else 0)
-                continue
+        given = _per_prompt(body, "logprob_start_len", count, (int,), -1)
+        starts = []   # where input_token_logprobs begins: SGLang's len - 1 for -1 (or past the prompt)
+        for s, p in zip(given, prompts):
             if s < -1:
                 raise ApiError(400, f"logprob_start_len must be -1 or an integer >= 0, got {s}",
                                param="logprob_start_len")
-            raise ApiError(400, "logprob_start_len must be -1 (or null), or >= the prompt length - 1: prompt "
-                                "(input) logprobs are not computed by this server yet", param="logprob_start_len")
+            n = len(p) if isinstance(p, list) else 1
+            starts.append(s if 0 <= s < n - 1 else max(0, n - 1))
         rid = body.get("rid")
         if batch and isinstance(rid, str):
             rid = [f"{rid}_{i}" for i in range(count)]
@@ -126,7 +124,7 @@ class GenerateCall:
                       return_routed_experts=_per_prompt(body, "return_routed_experts", count, (bool,), False),
                       routed_experts_start_len=0 if start_len is None else start_len, rid=rid, stream=stream,
                       routed_dp_rank=body["routed_dp_rank"] if body.get("routed_dp_rank") is not None
-                      else body.get("data_parallel_rank"), cache_salt=salts)
+                      else body.get("data_parallel_rank"), cache_salt=salts, logprob_start_len=given)
         fmt = check_routing_format(body.get("routed_experts_format"))
         dtype = body.get("routed_experts_dtype") or "int32"
         if dtype not in ROUTING_DTYPES or (dtype != "int32" and fmt != "int32"):
@@ -164,7 +162,8 @@ class GenerateCall:
         if out.output_logprobs is not None:
             entry = self.token_entry(decode)
             meta["output_token_logprobs"] = [entry(lp, t) for lp, t in zip(out.output_logprobs, out.output_ids)]
-            meta.update(self.input_logprobs(prompt, out.output_top_logprobs is not None, decode))
+            meta.update(self.input_logprobs(prompt, out.output_top_logprobs is not None, decode,
+                                            out.input_logprobs, out.input_top_logprobs))
             if out.output_top_logprobs is not None:
                 meta["output_top_logprobs"] = [[entry(lp, t) for lp, t in row] for row in out.output_top_logprobs]
         return meta
@@ -180,13 +179,19 @@ class GenerateCall:
             return base64.b64encode(np.ascontiguousarray(arr.astype(ROUTING_DTYPES[self.routing_dtype]))).decode()
         return encode_rows(rows, self.fmt, start, info)
 
-    def input_logprobs(self, prompt: int, top: bool, decode: Callable[[int], str]) -> dict[str, Any]:
-        """input_token_logprobs from logprob_start_len on: the first entry has no logprob (null), as SGLang."""
+    def input_logprobs(self, prompt: int, top: bool, decode: Callable[[int], str], values: Optional[list] = None,
+                       tops: Optional[list] = None) -> dict[str, Any]:
+        """input_token_logprobs from logprob_start_len on: one entry per prompt token, the first without
+        a logprob (null), as SGLang. values: the engine's logprobs of the others ({} until known)."""
         entry = self.token_entry(decode)
         ids = self.prompts[prompt][self.logprob_starts[prompt]:]
-        out: dict[str, Any] = {"input_token_logprobs": [entry(None, t) for t in ids]}
+        values = values or []
+        if len(values) != len(ids) - 1:
+            return {}
+        out: dict[str, Any] = {"input_token_logprobs": [entry(None, ids[0])] + [
+            entry(lp, t) for lp, t in zip(values, ids[1:])]}
         if top:
-            out["input_top_logprobs"] = [None] * len(ids)
+            out["input_top_logprobs"] = [None] + [[entry(lp, t) for lp, t in row] for row in (tops or [])]
         return out
 
 

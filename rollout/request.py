@@ -55,6 +55,7 @@ class Req:
     detokenizer: Optional[IncrementalDetokenizer] = None
     routed_dp_rank: Optional[int] = None  # DP attention: the rank this request must run on (None = any)
     cache_ns: int = 0                    # prefix-cache namespace (cache_salt / extra_key): 0 = shared
+    prompt_logprob_start: int = -1       # logprob_start_len: input logprobs for positions start+1.. (-1: none)
 
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
@@ -74,6 +75,8 @@ class Req:
     sent_tokens: int = 0                 # streaming cursors
     sent_routing_rows: int = 0
     sent_text_len: int = 0
+    input_logprobs: list[float] = field(default_factory=list)   # of prompt tokens start+1 .. len-1
+    input_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
 
     @property
     def fill_ids(self) -> list[int]:
@@ -95,6 +98,12 @@ class Req:
             return ids
         ns = self.cache_ns
         return [t + ns for t in ids]
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Prompt logprobs asked and not all computed yet (their logits come from a prefill)."""
+        return (self.prompt_logprob_start >= 0
+                and len(self.input_logprobs) < len(self.prompt_ids) - 1 - self.prompt_logprob_start)
 
     @property
     def seq_len(self) -> int:

@@ -174,7 +174,12 @@ class Scheduler:
     def _admit(self, req: Req) -> None:
         """Matches the prefix cache and locks it (no allocation yet)."""
         # NOTE: the last token is always computed, so its logits exist to sample from.
-        slots, node = self.cache.match_prefix(req.cache_key(req.seq_len - 1))
+        n = req.seq_len - 1
+        if req.needs_prompt_logprobs:
+            # NOTE: the hit is shortened so that every position whose logits give a prompt logprob
+            # still to compute is computed (a cached position has KV but no logits)
+            n = min(n, req.prompt_logprob_start + len(req.input_logprobs))
+        slots, node = self.cache.match_prefix(req.cache_key(n))
         self.cache.inc_lock(node)
         req.last_node = node
         req.kv_row = self.req_to_token.alloc()

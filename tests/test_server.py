@@ -380,7 +380,7 @@ def test_bad_requests_are_4xx_json(server, client):
         "routed_experts_format")
     err(client.post("/generate", json={"input_ids": [1, 2], "routed_experts_start_len": 9,
                                        "return_routed_experts": True}), 400, "routed_experts_start_len")
-    err(client.post("/generate", json={"input_ids": [1, 2], "logprob_start_len": 0}), 400, "logprob_start_len")
+    err(client.post("/generate", json={"input_ids": [1, 2], "logprob_start_len": -2}), 400, "logprob_start_len")
     err(client.post("/generate", json={"input_ids": [1, 2], "sampling_params": {"regex": "a+"}}), 400,
         "sampling_params.regex")
     err(client.post("/pause_generation", json={"mode": "sideways"}, headers={"Authorization": f"Bearer {ADMIN_KEY}"}),

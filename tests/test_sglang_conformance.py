@@ -342,3 +342,36 @@ def test_trainer_bridge_client_against_sglang_shapes(server, stream):
         assert a.response_ids.tolist() == b.response_ids.tolist()
         assert torch.equal(a.routed_experts, b.routed_experts)
         assert torch.allclose(a.rollout_logprobs, b.rollout_logprobs, atol=1e-5)
+
+
+# ---- prompt logprobs (AReaL teacher scoring, slime on-policy distillation) ---------------------------
+def test_prompt_logprobs_match_transformers_with_and_without_cache(client):
+    from oracle import hf_model
+
+    seq = prompt(11, 30)
+    with torch.no_grad():
+        logits = hf_model(DEFAULT_MODEL_PATH)(torch.tensor([seq])).logits[0].float()
+    ref = torch.log_softmax(logits, dim=-1)[torch.arange(len(seq) - 1), torch.tensor(seq[1:])]   # [len - 1]
+    target = 12
+    # areal teacher scoring: logprob_start_len = len - target - 1, max_new_tokens 1, reads input_token_logprobs
+    body = {"input_ids": seq, "sampling_params": {"max_new_tokens": 1, "temperature": 0.0}, "return_logprob": True,
+            "logprob_start_len": len(seq) - target - 1, "top_logprobs_num": 2}
+    wait_idle(client)
+    assert client.post("/flush_cache").status_code == 200
+    warm = client.post("/generate", json={**body, "logprob_start_len": -1}).json()   # caches the whole prompt
+    assert warm["meta_info"]["input_token_logprobs"] == [[None, seq[-1], None]]
+    for _ in range(2):   # the second one also finds the prompt cached
+        meta = client.post("/generate", json=body).json()["meta_info"]
+        itl = meta["input_token_logprobs"]
+        assert meta["prompt_tokens"] == body["logprob_start_len"] + len(itl)   # SGLang's invariant
+        assert meta["cached_tokens"] == body["logprob_start_len"]   # the hit, shortened to where logits are needed
+        assert itl[0][0] is None and [t for _, t, _ in itl] == seq[-target - 1:]
+        got = torch.tensor([lp for lp, _, _ in itl[1:]])
+        assert torch.allclose(got, ref[-target:], atol=1e-4), (got - ref[-target:]).abs().max()
+        top = meta["input_top_logprobs"]
+        assert top[0] is None and len(top) == len(itl) and all(len(row) == 2 for row in top[1:])
+        assert all(row[0][0] >= lp for row, (lp, _, _) in zip(top[1:], itl[1:]))
+    # slime on-policy distillation: logprob_start_len 0, reads input_token_logprobs[1:]
+    meta = client.post("/generate", json={**body, "logprob_start_len": 0, "top_logprobs_num": 0}).json()["meta_info"]
+    got = torch.tensor([item[0] for item in meta["input_token_logprobs"][1:]])
+    assert torch.allclose(got, ref, atol=1e-4) and "input_top_logprobs" not in meta
