@@ -35,6 +35,7 @@ from rollout.openai_api import (ApiError, ClientGone, EngineStream, OpenAIServin
                                 json_response, param_of)
 from rollout.output import RolloutOutput
 from rollout.server_args import ServerArgs
+from rollout.request_models import install_openapi
 from rollout.server_info import VERSION, ServerInfo
 from rollout.unicode_check import body_may_hold_surrogates, invalid_unicode_field
 from rollout.weight_updater import WeightUpdateError, WeightUpdater
@@ -251,8 +252,8 @@ def create_app(engine: Rollout, server_args: ServerArgs) -> FastAPI:
         control_pool.shutdown(wait=False, cancel_futures=True)
         weight_pool.shutdown(wait=False, cancel_futures=True)
 
-    app = FastAPI(title="rollout-serve", version=VERSION, docs_url=None, redoc_url=None, openapi_url=None,
-                  lifespan=lifespan)
+    app = FastAPI(title="rollout-serve", version=VERSION, docs_url="/docs", redoc_url=None,
+                  openapi_url="/openapi.json", lifespan=lifespan)
     ignored = IgnoredFields()
     metrics = Metrics(set(), ignored)
     openai = OpenAIServing(engine, args.model_name, metrics, incremental_streaming=args.incremental_streaming_output)
@@ -406,6 +407,7 @@ def create_app(engine: Rollout, server_args: ServerArgs) -> FastAPI:
                                   "running": stats["running"],
                                   "waiting": stats["waiting"], "paused": engine.paused_mode})
 
+    install_openapi(app, VERSION)
     metrics.known_paths = {r.path for r in app.routes if hasattr(r, "path")}
     app.add_middleware(Guard, args=args, metrics=metrics)
     return app
