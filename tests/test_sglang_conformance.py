@@ -126,7 +126,7 @@ def test_slime_server_info(client):
 def test_miles_retract_flush_continue(client):
     ids = prompt(3, 11)
     # Miles: return_indexer_topk: false top-level on every request
-    body = {"input_ids": ids, "sampling_params": {"temperature": 0.0, "max_new_tokens": 400, "ignore_eos": True},
+    body = {"input_ids": ids, "sampling_params": {"temperature": 0.0, "max_new_tokens": 150, "ignore_eos": True},
             "return_logprob": True, "return_routed_experts": True, "return_indexer_topk": False, "stream": True}
     chunks, started = [], threading.Event()
 
@@ -149,10 +149,11 @@ def test_miles_retract_flush_continue(client):
     r = client.post("/update_weight_version", json={"new_version": "miles-2", "abort_all_requests": False})
     assert r.status_code == 200 and r.json()["success"], r.text
     assert client.post("/continue_generation", json={}).json()["status"] == "ok"
-    reader.join(120)
+    reader.join(600)
+    assert not reader.is_alive()
     final = chunks[-1]
     out = final["output_ids"]
-    assert final["meta_info"]["finish_reason"]["type"] == "length" and len(out) == 400
+    assert final["meta_info"]["finish_reason"]["type"] == "length" and len(out) == 150
     assert final["meta_info"]["weight_version"] == "miles-2"
     assert final["meta_info"]["total_retractions"] == 1
     routing = np.frombuffer(base64.b64decode(final["meta_info"]["routed_experts"]), np.int32)
