@@ -39,6 +39,8 @@ DISTRIBUTED = FieldPolicy(endpoint="/update_weights_from_distributed",
                                            "group_name"}), accepted=WEIGHT_ACCEPTED)
 DESTROY = FieldPolicy(endpoint="/destroy_weights_update_group", acted=frozenset({"group_name"}))
 VERSION = FieldPolicy(endpoint="/update_weight_version", acted=frozenset({"new_version", "abort_all_requests"}))
+RELEASE = FieldPolicy(endpoint="/release_memory_occupation", acted=frozenset({"tags"}))
+RESUME = FieldPolicy(endpoint="/resume_memory_occupation", acted=frozenset({"tags"}))
 DEFAULT_GROUP_NAME = "weight_update_group"   # SGLang's default
 
 
@@ -99,7 +101,29 @@ def add_control_routes(app: FastAPI, *, engine: Any, args: ServerArgs, updater: 
 
     # ---- weights ----
     async def weights_call(fn: Callable, *a: Any) -> Response:
+        if "weights" in engine.released_memory:
+            raise WeightUpdateError("the weights are released (/release_memory_occupation): call "
+                                    "/resume_memory_occupation with tags [\"weights\"] first")
         return json_response(await blocking(fn, *a, pool=weight_pool))
+
+    # ---- memory (colocated trainers) ----
+    @app.post("/release_memory_occupation")
+    async def release_memory_occupation(request: Request) -> Response:
+        body = RELEASE.screen(await read_json(request, allow_empty=True), ignored)
+        try:
+            done = await blocking(engine.release_memory_occupation, body.get("tags"), pool=weight_pool)
+        except ValueError as exc:
+            raise ApiError(400, str(exc), param="tags" if str(exc).startswith("tags") else None) from None
+        return json_response({"success": True, "message": f"released {done}", "released": list(engine.released_memory)})
+
+    @app.post("/resume_memory_occupation")
+    async def resume_memory_occupation(request: Request) -> Response:
+        body = RESUME.screen(await read_json(request, allow_empty=True), ignored)
+        try:
+            done = await blocking(engine.resume_memory_occupation, body.get("tags"), pool=weight_pool)
+        except ValueError as exc:
+            raise ApiError(400, str(exc), param="tags") from None
+        return json_response({"success": True, "message": f"resumed {done}", "released": list(engine.released_memory)})
 
     @app.post("/update_weights_from_disk")
     async def update_weights_from_disk(request: Request) -> Response:

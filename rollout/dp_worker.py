@@ -29,7 +29,8 @@ from rollout.models.ep_group import EPGroup
 
 COMMANDS = frozenset({
     "abort", "abort_all", "flush_cache", "check_integrity", "stats_report", "load_report", "recent_layouts",
-    "set_weight_version", "pause", "resume", "retract_running", "hold_admission", "release_admission", "try_swap_weights",
+    "pause", "resume", "retract_running", "hold_admission", "release_admission", "try_swap_weights",
+    "set_weight_version",
 })
 COLLECTIVE_TIMEOUT = timedelta(seconds=600)
 

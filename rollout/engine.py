@@ -245,6 +245,9 @@ class Rollout:
         routed_dp_rank, cache_salt and logprob_start_len: one value for every prompt or a list with
         one per prompt. logprob_start_len >= 0 (with return_logprob): the output's input_logprobs hold
         the raw logprobs of prompt tokens logprob_start_len+1 .. len-1."""
+        if self.released_memory:
+            raise ValueError(f"the server's memory is released ({', '.join(self.released_memory)}): call "
+                             f"resume_memory_occupation first")
         batch = self._prompt_ids(prompts, input_ids)
         n_prompts = len(batch)
         if isinstance(sampling_params, (list, tuple)):
@@ -485,6 +488,27 @@ class Rollout:
             core.set_weight_version(version)
             return aborted
         return self._call(relabel)
+
+    @property
+    def released_memory(self) -> tuple[str, ...]:
+        """Memory tags released by release_memory_occupation (no request runs while any is)."""
+        return self._core.released_memory if self.config.dp_size == 1 else ()
+
+    def release_memory_occupation(self, tags: Any = None) -> list[str]:
+        """Frees the KV pool ("kv_cache") and/or the weights' storage ("weights"; kept in a temporary
+        file) for a colocated trainer; tags None: both. Returns the tags released now."""
+        from rollout.memory_saver import parse_tags  # noqa: PLC0415
+
+        if self.config.dp_size > 1:
+            raise ValueError("release_memory_occupation is not supported with dp_size > 1")
+        parsed = parse_tags(tags)
+        return self._call(lambda core: core.release_memory(parsed))
+
+    def resume_memory_occupation(self, tags: Any = None) -> list[str]:
+        from rollout.memory_saver import parse_tags  # noqa: PLC0415
+
+        parsed = parse_tags(tags)
+        return self._call(lambda core: core.resume_memory(parsed)) if self.config.dp_size == 1 else []
 
     def loads(self) -> list[dict]:
         return self._call(lambda core: core.load_report())

@@ -431,7 +431,7 @@ class EngineCore:
     def _may_step(self) -> bool:
         """Whether the engine thread should step: never while paused; while a weight update holds
         admission, only for the requests that arrived before it (an idle queue never spins)."""
-        if self.paused_mode is not None:
+        if self.paused_mode is not None or self.released_memory:
             return False
         return not self._admission_holds or self.scheduler.has_admissible()
 
@@ -486,6 +486,8 @@ class EngineCore:
         """
         from rollout.models.loader import load_state_dict_from_tensors  # noqa: PLC0415
 
+        if "weights" in self.released_memory:
+            raise ValueError("the weights are released (release_memory_occupation): resume them first")
         if self.paused_mode is not None and self.scheduler.running:
             self.retract_running()
         if self.scheduler.running or (self.paused_mode is None and self.scheduler.has_admissible()):
@@ -497,6 +499,23 @@ class EngineCore:
             self.weight_version = weight_version
         self.stats["weight_updates"] = self.stats.get("weight_updates", 0) + 1
         return count
+
+    _memory_saver: Any = None
+
+    @property
+    def released_memory(self) -> tuple[str, ...]:
+        """The memory tags now released ("weights", "kv_cache"); nothing steps while any is."""
+        return self._memory_saver.released if self._memory_saver is not None else ()
+
+    def release_memory(self, tags: tuple[str, ...]) -> list[str]:
+        from rollout.memory_saver import MemorySaver  # noqa: PLC0415
+
+        if self._memory_saver is None:
+            self._memory_saver = MemorySaver(self)
+        return self._memory_saver.release(tags)
+
+    def resume_memory(self, tags: tuple[str, ...]) -> list[str]:
+        return self._memory_saver.resume(tags) if self._memory_saver is not None else []
 
     def set_weight_version(self, version: str) -> None:
         """Relabels the weights (SGLang's /update_weight_version); nothing else changes."""

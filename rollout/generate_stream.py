@@ -72,7 +72,8 @@ class GenerateStream:
     def _cumulative(self, chunk: StreamChunk) -> dict:
         if chunk.finished:
             out = chunk.output
-            return {"text": out.text, "output_ids": list(out.output_ids), "meta_info": self._final_meta(chunk, with_routing=True)}
+            return {"text": out.text, "output_ids": list(out.output_ids),
+                    "meta_info": self._final_meta(chunk, with_routing=True)}
         p = self.progress[chunk.rid]
         p.text += chunk.text
         p.ids.extend(chunk.output_ids)

@@ -174,6 +174,11 @@ class UpdateWeightVersionRequest(BaseModel):
     abort_all_requests: Optional[bool] = True
 
 
+class MemoryOccupationRequest(BaseModel):
+    model_config = Open
+    tags: Optional[list[Literal["weights", "kv_cache", "cuda_graph"]]] = Field(None, description="null: all")
+
+
 class ErrorDetail(BaseModel):
     message: str
     type: str
@@ -196,6 +201,8 @@ REQUEST_MODELS: dict[str, tuple[type[BaseModel], bool]] = {
     "/update_weights_from_distributed": (UpdateWeightsFromDistributedRequest, True),
     "/destroy_weights_update_group": (DestroyWeightsUpdateGroupRequest, False),
     "/update_weight_version": (UpdateWeightVersionRequest, True),
+    "/release_memory_occupation": (MemoryOccupationRequest, False),
+    "/resume_memory_occupation": (MemoryOccupationRequest, False),
 }
 
 

@@ -50,7 +50,7 @@ class ServerInfo:
             "model_path": a.model_path, "tokenizer_path": a.tokenizer_path or a.model_path,
             "served_model_name": a.model_name, "host": a.host, "port": a.port, "dtype": a.dtype, "device": a.device,
             "tp_size": 1, "pp_size": 1, "dp_size": a.dp_size, "ep_size": a.dp_size,
-            "enable_dp_attention": a.dp_size > 1, "enable_memory_saver": False,
+            "enable_dp_attention": a.dp_size > 1, "enable_memory_saver": a.dp_size == 1,
             "enable_return_routed_experts": a.enable_return_routed_experts,
             "context_length": self.engine.context_length, "max_running_requests": a.max_running_requests,
             "max_total_tokens": self.engine.kv_capacity, "chunked_prefill_size": a.chunked_prefill_size or -1,

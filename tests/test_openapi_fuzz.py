@@ -13,7 +13,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 # left to test_server_fuzz.py, which sends them with a resume/valid-address discipline.
 EXCLUDED = ("/pause_generation", "/update_weights_from_disk", "/update_weights_from_tensor",
             "/init_weights_update_group", "/update_weights_from_distributed", "/destroy_weights_update_group",
-            "/update_weight_version")
+            "/update_weight_version", "/release_memory_occupation", "/resume_memory_occupation")
 
 
 @pytest.fixture(scope="module")

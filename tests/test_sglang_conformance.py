@@ -376,3 +376,33 @@ def test_prompt_logprobs_match_transformers_with_and_without_cache(client):
     meta = client.post("/generate", json={**body, "logprob_start_len": 0, "top_logprobs_num": 0}).json()["meta_info"]
     got = torch.tensor([item[0] for item in meta["input_token_logprobs"][1:]])
     assert torch.allclose(got, ref, atol=1e-4) and "input_top_logprobs" not in meta
+
+
+# ---- colocated offload: release / resume memory occupation ----------------------------------------
+def test_release_and_resume_memory_occupation(server, client):
+    import psutil
+
+    ids = prompt(12, 9)
+    greedy = {"temperature": 0, "max_new_tokens": 5, "ignore_eos": True}
+    before = client.post("/generate", json={"input_ids": ids, "sampling_params": greedy,
+                                            "return_routed_experts": True}).json()
+    wait_idle(client)
+    proc = psutil.Process(server._server.proc.pid)
+    rss0 = proc.memory_info().rss
+    r = client.post("/release_memory_occupation", json={"tags": ["kv_cache", "weights"]})
+    assert r.status_code == 200 and r.json()["released"] == ["weights", "kv_cache"], r.text
+    # the KV pool (512 MiB by default) and the weights' storage went back to the OS
+    assert proc.memory_info().rss < rss0 - 64 * 2**20, (rss0, proc.memory_info().rss)
+    refused = client.post("/generate", json={"input_ids": ids, "sampling_params": greedy})
+    assert refused.status_code == 400 and "resume_memory_occupation" in refused.json()["error"]["message"]
+    r = client.post("/update_weights_from_disk", json={"model_path": DEFAULT_MODEL_PATH})
+    assert r.status_code == 400 and "released" in r.json()["message"]
+    assert client.post("/resume_memory_occupation", json={"tags": ["weights"]}).json()["released"] == ["kv_cache"]
+    assert client.post("/resume_memory_occupation", json={}).json()["released"] == []
+    after = client.post("/generate", json={"input_ids": ids, "sampling_params": greedy,
+                                           "return_routed_experts": True}).json()
+    assert after["output_ids"] == before["output_ids"]     # nothing lost: same weights, working KV
+    assert after["meta_info"]["routed_experts"] == before["meta_info"]["routed_experts"]
+    assert after["meta_info"]["cached_tokens"] == 0        # the cache went with the KV pool
+    bad = client.post("/release_memory_occupation", json={"tags": ["gpu"]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tags"
