@@ -187,7 +187,9 @@ class EngineCore:
         return list(self.runner.recent_layouts)
 
     def close(self) -> None:
-        """Nothing to release in-process (DPCoordinator stops its workers here)."""
+        """Removes a released-weights file, if any (DPCoordinator stops its workers here)."""
+        if self._memory_saver is not None:
+            self._memory_saver.discard()
 
     # ---- stepping ------------------------------------------------------------------------------
     def step(self) -> None:

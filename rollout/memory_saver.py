@@ -101,6 +101,12 @@ class MemorySaver:
             done.append(tag)
         return done
 
+    def discard(self) -> None:
+        """The engine is closing: the weights file goes (nothing reads it again)."""
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
+            self._dir = None
+
     def _backup_weights(self, tensors: list[torch.Tensor]) -> None:
         from safetensors.torch import save_file  # noqa: PLC0415
 

@@ -406,3 +406,20 @@ def test_release_and_resume_memory_occupation(server, client):
     assert after["meta_info"]["cached_tokens"] == 0        # the cache went with the KV pool
     bad = client.post("/release_memory_occupation", json={"tags": ["gpu"]})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "tags"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_release_memory_frees_gpu_memory():
+    from rollout import Rollout
+
+    with Rollout(DEFAULT_MODEL_PATH, device="cuda", dtype="float32", kv_cache_bytes=256 << 20) as engine:
+        ids = prompt(13, 8)
+        params = {"temperature": 0, "max_new_tokens": 4, "ignore_eos": True}
+        before = engine.generate(input_ids=[ids], sampling_params=params)[0].output_ids
+        torch.cuda.synchronize()
+        allocated = torch.cuda.memory_allocated()
+        assert engine.release_memory_occupation(["kv_cache", "weights"]) == ["weights", "kv_cache"]
+        assert torch.cuda.memory_allocated() < allocated - (200 << 20)
+        assert engine.resume_memory_occupation(None) == ["weights", "kv_cache"]
+        assert engine.generate(input_ids=[ids], sampling_params=params)[0].output_ids == before
