@@ -107,23 +107,22 @@ def add_control_routes(app: FastAPI, *, engine: Any, args: ServerArgs, updater: 
         return json_response(await blocking(fn, *a, pool=weight_pool))
 
     # ---- memory (colocated trainers) ----
-    @app.post("/release_memory_occupation")
-    async def release_memory_occupation(request: Request) -> Response:
-        body = RELEASE.screen(await read_json(request, allow_empty=True), ignored)
+    async def memory_call(policy: FieldPolicy, fn: Callable[[Any], list[str]], request: Request) -> Response:
+        body = policy.screen(await read_json(request, allow_empty=True), ignored)
         try:
-            done = await blocking(engine.release_memory_occupation, body.get("tags"), pool=weight_pool)
+            done = await blocking(fn, body.get("tags"), pool=weight_pool)
         except ValueError as exc:
             raise ApiError(400, str(exc), param="tags" if str(exc).startswith("tags") else None) from None
-        return json_response({"success": True, "message": f"released {done}", "released": list(engine.released_memory)})
+        return json_response({"success": True, "message": f"{policy.endpoint}: {done}",
+                              "released": list(engine.released_memory)})
+
+    @app.post("/release_memory_occupation")
+    async def release_memory_occupation(request: Request) -> Response:
+        return await memory_call(RELEASE, engine.release_memory_occupation, request)
 
     @app.post("/resume_memory_occupation")
     async def resume_memory_occupation(request: Request) -> Response:
-        body = RESUME.screen(await read_json(request, allow_empty=True), ignored)
-        try:
-            done = await blocking(engine.resume_memory_occupation, body.get("tags"), pool=weight_pool)
-        except ValueError as exc:
-            raise ApiError(400, str(exc), param="tags") from None
-        return json_response({"success": True, "message": f"resumed {done}", "released": list(engine.released_memory)})
+        return await memory_call(RESUME, engine.resume_memory_occupation, request)
 
     @app.post("/update_weights_from_disk")
     async def update_weights_from_disk(request: Request) -> Response:
