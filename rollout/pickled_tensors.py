@@ -40,7 +40,7 @@ class _AllowListUnpickler(pickle.Unpickler):
             return collections.OrderedDict
         if module == "torch" and (name == "Size" or isinstance(getattr(torch, name, None), torch.dtype)):
             return getattr(torch, name)
-        if module == "torch" and name in ("UntypedStorage", "TypedStorage", "device"):
+        if module == "torch" and name in ("Tensor", "UntypedStorage", "TypedStorage", "device"):
             return getattr(torch, name)
         if module in _REBUILD_MODULES and (name.startswith("rebuild_") or name.startswith("_rebuild_")
                                            or name in ("_load_from_bytes", "UntypedStorage", "TypedStorage")):

@@ -423,3 +423,67 @@ def test_release_memory_frees_gpu_memory():
         assert torch.cuda.memory_allocated() < allocated - (200 << 20)
         assert engine.resume_memory_occupation(None) == ["weights", "kv_cache"]
         assert engine.generate(input_ids=[ids], sampling_params=params)[0].output_ids == before
+
+
+def test_pickled_flattened_bucket_with_the_flag():
+    """slime's colocated push: ForkingPickler of SGLang's flattened bucket, base64, one entry per TP rank
+    (slime/backends/megatron_utils/update_weight: FlattenedTensorBucket + MultiprocessingSerializer)."""
+    import dataclasses
+    import io
+    import pickle
+    import sys
+    import types
+
+    import torch.multiprocessing as mp
+    from multiprocessing.reduction import ForkingPickler
+    from safetensors.torch import load_file
+
+    # a stand-in for sglang.srt.weight_sync.tensor_bucket.FlattenedTensorMetadata (sglang is not installed)
+    mod = types.ModuleType("sglang.srt.weight_sync.tensor_bucket")
+
+    @dataclasses.dataclass
+    class FlattenedTensorMetadata:
+        name: str
+        shape: torch.Size
+        dtype: torch.dtype
+        start_idx: int
+        end_idx: int
+        numel: int
+
+    FlattenedTensorMetadata.__module__ = mod.__name__
+    FlattenedTensorMetadata.__qualname__ = "FlattenedTensorMetadata"
+    mod.FlattenedTensorMetadata = FlattenedTensorMetadata
+    stand_ins = {name: types.ModuleType(name) for name in ("sglang", "sglang.srt", "sglang.srt.weight_sync")}
+    stand_ins[mod.__name__] = mod
+    sys.modules.update(stand_ins)
+    mp.set_sharing_strategy("file_system")
+    try:
+        weights = load_file(f"{DEFAULT_MODEL_PATH}/model.safetensors")
+        names = ["lm_head.weight", "model.norm.weight"]
+        flat, meta, pos = [], [], 0
+        for n in names:
+            b = weights[n].flatten().view(torch.uint8)
+            meta.append(FlattenedTensorMetadata(n, weights[n].shape, weights[n].dtype, pos, pos + b.numel(), b.numel()))
+            flat.append(b)
+            pos += b.numel()
+        buf = io.BytesIO()
+        ForkingPickler(buf).dump({"flattened_tensor": torch.cat(flat), "metadata": meta})
+        payload = base64.b64encode(buf.getvalue()).decode()
+        evil = base64.b64encode(pickle.dumps(print)).decode()   # any global off the allow-list
+        with ServerProcess(["--allow-pickled-weight-tensors", "--dtype", "float32"]) as srv, \
+                httpx.Client(base_url=srv.url, timeout=120) as c:
+            body = {"input_ids": prompt(14, 8), "sampling_params": {"temperature": 0, "max_new_tokens": 6}}
+            before = c.post("/generate", json=body).json()["output_ids"]
+            r = c.post("/update_weights_from_tensor", json={"serialized_named_tensors": [payload],
+                                                             "load_format": "flattened_bucket", "flush_cache": True,
+                                                             "weight_version": "pushed"})
+            assert r.status_code == 200 and r.json()["num_tensors"] == 2, r.text
+            after = c.post("/generate", json=body).json()
+            assert after["output_ids"] == before and after["meta_info"]["weight_version"] == "pushed"
+            r = c.post("/update_weights_from_tensor", json={"serialized_named_tensors": [evil],
+                                                             "load_format": "direct"})
+            assert r.status_code == 400 and "allow-list" in r.json()["message"], r.text
+    finally:
+        for name in stand_ins:
+            del sys.modules[name]
+        mp.set_sharing_strategy("file_descriptor")
