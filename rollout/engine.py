@@ -178,13 +178,18 @@ class Rollout:
     def generate(self, prompts: Any = None, sampling_params: ParamsArg = None, *, input_ids: Any = None,
                  return_logprob: bool = False, top_logprobs_num: int = 0, return_routed_experts: bool = False,
                  routed_experts_start_len: Any = 0, rid: Any = None, stream: bool = False,
-                 routed_dp_rank: Any = None) -> Union[list[RolloutOutput], Iterator[StreamChunk]]:
+                 routed_dp_rank: Any = None, cache_salt: Any = None,
+                 logprob_start_len: Any = -1) -> Union[list[RolloutOutput], Iterator[StreamChunk]]:
         """Outputs in prompt order (each prompt's n samples together); stream=True yields chunks.
 
         routed_dp_rank (dp_size > 1): pin the requests (or each prompt, given a list) to one DP rank;
-        None lets the engine pick the least loaded rank."""
+        None lets the engine pick the least loaded rank. cache_salt: requests share prefix-cache
+        entries (KV and routing rows) only with requests of the same salt (None: the shared space).
+        logprob_start_len >= 0 (with return_logprob): the outputs' input_logprobs hold the raw
+        logprobs of prompt tokens logprob_start_len+1 .. len-1."""
         groups = self._build(prompts, input_ids, sampling_params, return_logprob, top_logprobs_num,
-                             return_routed_experts, routed_experts_start_len, rid, stream, routed_dp_rank)
+                             return_routed_experts, routed_experts_start_len, rid, stream, routed_dp_rank,
+                             cache_salt, logprob_start_len)
         q: "queue.Queue[Any]" = queue.Queue()
         rids = self._submit(groups, q.put)
         if stream:
@@ -216,21 +221,25 @@ class Rollout:
     def async_generate(self, prompts: Any = None, sampling_params: ParamsArg = None, *, input_ids: Any = None,
                        return_logprob: bool = False, top_logprobs_num: int = 0, return_routed_experts: bool = False,
                        routed_experts_start_len: Any = 0, rid: Any = None, stream: bool = False,
-                       routed_dp_rank: Any = None) -> AsyncGeneration:
+                       routed_dp_rank: Any = None, cache_salt: Any = None,
+                       logprob_start_len: Any = -1) -> AsyncGeneration:
         """`await engine.async_generate(...)` -> outputs; `async for c in engine.async_generate(..., stream=True)`."""
         groups = self._build(prompts, input_ids, sampling_params, return_logprob, top_logprobs_num,
-                             return_routed_experts, routed_experts_start_len, rid, stream, routed_dp_rank)
+                             return_routed_experts, routed_experts_start_len, rid, stream, routed_dp_rank,
+                             cache_salt, logprob_start_len)
         return AsyncGeneration(lambda sink: self._submit(groups, sink), stream)
 
     def submit(self, sink: Callable[[Any], None], prompts: Any = None, sampling_params: ParamsArg = None, *,
                input_ids: Any = None, return_logprob: bool = False, top_logprobs_num: int = 0,
                return_routed_experts: bool = False, routed_experts_start_len: Any = 0, rid: Any = None,
-               stream: bool = False, routed_dp_rank: Any = None) -> list[str]:
+               stream: bool = False, routed_dp_rank: Any = None, cache_salt: Any = None,
+               logprob_start_len: Any = -1) -> list[str]:
         """Validates and queues like generate(); sink(item) is then called on the client's receiver
         thread with each StreamChunk (stream) or RolloutOutput, or an exception. Returns the
         request ids in output order (prompt-major)."""
         groups = self._build(prompts, input_ids, sampling_params, return_logprob, top_logprobs_num,
-                             return_routed_experts, routed_experts_start_len, rid, stream, routed_dp_rank)
+                             return_routed_experts, routed_experts_start_len, rid, stream, routed_dp_rank,
+                             cache_salt, logprob_start_len)
         return self._submit(groups, sink)
 
     def _uids_of(self, rids: Sequence[str]) -> list[int]:
@@ -322,6 +331,66 @@ class Rollout:
         was = any(self._call("resume"))
         self.paused_mode = None
         return was
+
+    def set_weight_version(self, version: str, *, abort_all_requests: bool = False) -> int:
+        """Relabels the weights (outputs finished from now on carry it); returns the requests aborted."""
+        def relabel(core: EngineCore) -> int:
+            aborted = core.abort_all() if abort_all_requests else 0
+            core.set_weight_version(version)
+            return aborted
+        return self._call(relabel)
+
+    @property
+    def released_memory(self) -> tuple[str, ...]:
+        """Memory tags released by release_memory_occupation (no request runs while any is)."""
+        return self._core.released_memory if self.config.dp_size == 1 else ()
+
+    def release_memory_occupation(self, tags: Any = None) -> list[str]:
+        """Frees the KV pool ("kv_cache") and/or the weights' storage ("weights"; kept in a temporary
+        file) for a colocated trainer; tags None: both. Returns the tags released now."""
+        from rollout.memory_saver import parse_tags  # noqa: PLC0415
+
+        if self.config.dp_size > 1:
+            raise ValueError("release_memory_occupation is not supported with dp_size > 1")
+        parsed = parse_tags(tags)
+        return self._call(lambda core: core.release_memory(parsed))
+
+    def resume_memory_occupation(self, tags: Any = None) -> list[str]:
+        from rollout.memory_saver import parse_tags  # noqa: PLC0415
+
+        parsed = parse_tags(tags)
+        return self._call(lambda core: core.resume_memory(parsed)) if self.config.dp_size == 1 else []
+
+    def set_weight_version(self, version: str, *, abort_all_requests: bool = False) -> int:
+        """Relabels the weights (outputs finished from now on carry it); returns the requests aborted."""
+        aborted = sum(self._call("set_weight_version", version, abort_all_requests))
+        self.weight_version = version
+        return aborted
+
+    @property
+    def released_memory(self) -> tuple[str, ...]:
+        """Memory tags released by release_memory_occupation (no request runs while any is)."""
+        return self._builder.released_memory
+
+    def release_memory_occupation(self, tags: Any = None) -> list[str]:
+        """Frees the KV pool ("kv_cache") and/or the weights' storage ("weights"; kept in a temporary
+        file) for a colocated trainer; tags None: both. Returns the tags released now."""
+        from rollout.memory_saver import parse_tags  # noqa: PLC0415
+
+        if self.config.dp_size > 1:
+            raise ValueError("release_memory_occupation is not supported with dp_size > 1")
+        released = self._call("release_memory", list(parse_tags(tags)))[0]
+        self._builder.released_memory = tuple(self._call("released_memory")[0])
+        return released
+
+    def resume_memory_occupation(self, tags: Any = None) -> list[str]:
+        from rollout.memory_saver import parse_tags  # noqa: PLC0415
+
+        if self.config.dp_size > 1:
+            return []
+        resumed = self._call("resume_memory", list(parse_tags(tags)))[0]
+        self._builder.released_memory = tuple(self._call("released_memory")[0])
+        return resumed
 
     def loads(self) -> list[dict]:
         out = []

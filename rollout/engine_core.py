@@ -171,8 +171,9 @@ class EngineCore:
         return out
 
     def flush_cache(self) -> bool:
-        """Drops every cached prefix (and so its routing); refused while requests hold KV."""
-        if self.scheduler.has_work():
+        """Drops every cached prefix (and so its routing); refused while requests hold KV (waiting
+        and retracted requests hold none)."""
+        if self.scheduler.running:
             return False
         return self.cache.flush()
 
@@ -199,6 +200,11 @@ class EngineCore:
         """The GatherLayouts of the latest forwards (oldest first), for tests and debugging."""
         return list(self.runner.recent_layouts)
 
+    def close(self) -> None:
+        """Removes a released-weights file, if any ."""
+        if self._memory_saver is not None:
+            self._memory_saver.discard()
+
     # ---- stepping ------------------------------------------------------------------------------
     def step(self) -> None:
         self._budget_end = None   # NOTE: a new control budget for the answers before this forward
@@ -222,6 +228,8 @@ class EngineCore:
         if batch.is_prefill:
             for req in batch.reqs:
                 self.scheduler.cache_unfinished(req)
+        if out.token_logits is not None:
+            self._record_prompt_logprobs(batch, out.token_logits)
         self.stats["num_forwards"] += 1
         self.stats["num_prefill_forwards" if batch.is_prefill else "num_decode_forwards"] += 1
         if batch.is_prefill or not all(r.output_ids for r in batch.reqs):
@@ -289,6 +297,22 @@ class EngineCore:
             elif req.emit_interval and len(out_ids) - req.sent_tokens >= req.emit_interval:
                 self._update(req)
 
+    @staticmethod
+    def _record_prompt_logprobs(batch: Any, token_logits: torch.Tensor) -> None:
+        """Input logprobs of the prompt tokens this prefill's logits predict (raw log-softmax)."""
+        offset = 0
+        for req, pre, ext in zip(batch.reqs, batch.prefix_lens, batch.extend_lens):
+            nxt = req.prompt_logprob_start + len(req.input_logprobs)   # position whose logits come next
+            hi = min(pre + ext, len(req.prompt_ids) - 1)
+            if req.needs_prompt_logprobs and pre <= nxt < hi:
+                lp = torch.log_softmax(token_logits[offset + nxt - pre:offset + hi - pre], dim=-1)  # [n, vocab]
+                toks = torch.tensor(req.prompt_ids[nxt + 1:hi + 1], device=lp.device)
+                req.input_logprobs.extend(lp.gather(1, toks[:, None]).squeeze(1).tolist())
+                if req.top_logprobs_num:
+                    val, idx = lp.topk(req.top_logprobs_num, dim=-1)
+                    req.input_top_logprobs.extend(list(zip(v, i)) for v, i in zip(val.tolist(), idx.tolist()))
+            offset += ext
+
     def _banned_ids(self, req: Req) -> list[int]:
         if len(req.output_ids) >= req.params.min_new_tokens:
             return []
@@ -353,6 +377,13 @@ class EngineCore:
             upd.routing_start = start
             req.sent_routing_rows = hi
         req.sent_tokens = len(req.output_ids)
+        if (req.prompt_logprob_start >= 0 and not req.sent_input_logprobs
+                and (reason is not None or not req.needs_prompt_logprobs)):
+            req.sent_input_logprobs = True   # NOTE: once complete (the front end may stop the request early)
+            upd.input_logprobs = floats(req.input_logprobs)
+            if req.top_logprobs_num:
+                upd.input_top_logprobs = floats([[lp for lp, _ in row] for row in req.input_top_logprobs])
+                upd.input_top_ids = ints([[t for _, t in row] for row in req.input_top_logprobs])
         if reason is not None:
             upd.finished = True
             upd.finish_type, upd.finish_matched, upd.finish_message = reason.type, reason.matched, reason.message
@@ -378,7 +409,7 @@ class EngineCore:
     def _may_step(self) -> bool:
         """Whether the engine thread should step: never while paused; while a weight update holds
         admission, only for the requests that arrived before it (an idle queue never spins)."""
-        if self.paused_mode is not None:
+        if self.paused_mode is not None or self.released_memory:
             return False
         return not self._admission_holds or self.scheduler.has_admissible()
 
@@ -433,6 +464,8 @@ class EngineCore:
         """
         from rollout.models.loader import load_state_dict_from_tensors  # noqa: PLC0415
 
+        if "weights" in self.released_memory:
+            raise ValueError("the weights are released (release_memory_occupation): resume them first")
         if self.paused_mode is not None and self.scheduler.running:
             self.retract_running()
         if self.scheduler.running or (self.paused_mode is None and self.scheduler.has_admissible()):
@@ -444,6 +477,27 @@ class EngineCore:
             self.weight_version = weight_version
         self.stats["weight_updates"] = self.stats.get("weight_updates", 0) + 1
         return count
+
+    _memory_saver: Any = None
+
+    @property
+    def released_memory(self) -> tuple[str, ...]:
+        """The memory tags now released ("weights", "kv_cache"); nothing steps while any is."""
+        return self._memory_saver.released if self._memory_saver is not None else ()
+
+    def release_memory(self, tags: tuple[str, ...]) -> list[str]:
+        from rollout.memory_saver import MemorySaver  # noqa: PLC0415
+
+        if self._memory_saver is None:
+            self._memory_saver = MemorySaver(self)
+        return self._memory_saver.release(tags)
+
+    def resume_memory(self, tags: tuple[str, ...]) -> list[str]:
+        return self._memory_saver.resume(tags) if self._memory_saver is not None else []
+
+    def set_weight_version(self, version: str) -> None:
+        """Relabels the weights (SGLang's /update_weight_version); nothing else changes."""
+        self.weight_version = version
 
     def load_report(self) -> list[dict]:
         """Running/waiting requests and KV use per DP rank (one rank in this process)."""

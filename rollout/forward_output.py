@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -12,6 +13,7 @@ from capture.gather_layout import GatherLayout
 class ForwardOutput:
     logits: torch.Tensor     # [B, vocab] fp32, one row per request (its last new token)
     layout: GatherLayout     # the executing runner's layout; capture reads only this
+    token_logits: Optional[torch.Tensor] = None  # [N, vocab] fp32, every token's (prompt logprobs asked)
 
     @property
     def runner(self) -> str:

@@ -21,7 +21,7 @@ from rollout.runners.eager_runner import EagerRunner
 from rollout.runners.graph_backend import CudaGraphBackend, GraphBackend, GraphMemoryPool
 from rollout.runners.piecewise_backend import PiecewiseBackend
 from rollout.runners.prefill_graph_runner import PrefillGraphRunner
-from rollout.runners.runner_plan import DECODE, EAGER, PREFILL, RankShape, RunnerPlan
+from rollout.runners.runner_plan import DECODE, EAGER, PREFILL, RankShape, RunnerChoice, RunnerPlan
 from rollout.scheduler import ScheduledBatch
 
 
@@ -104,10 +104,17 @@ class ModelRunner:
             shapes = [RankShape.decode(v) for v in self.ep_group.exchange(shape.encode())]
         else:
             shapes = [shape]
+        counts = tuple(s.num_tokens for s in shapes)
+        if batch is not None and batch.is_prefill and any(r.needs_prompt_logprobs for r in batch.reqs):
+            # NOTE: prompt logprobs need every token's logits: eager (one rank only; refused under DP)
+            assert self.ep_group is None
+            out = self.runners[EAGER].forward(batch, counts, RunnerChoice(EAGER, None, None), all_logits=True)
+            self.counts[EAGER] += 1
+            self.recent_layouts.append(out.layout)
+            return out
         choice = self.plan.choose(shapes)
         if choice is None:
             return None
-        counts = tuple(s.num_tokens for s in shapes)
         out = self.runners[choice.runner].forward(batch, counts, choice)
         assert out.layout.runner == choice.runner and out.layout.padded_extent == choice.extent, (out.layout, choice)
         self.counts[choice.runner] += 1

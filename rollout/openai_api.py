@@ -204,7 +204,8 @@ _ENGINE_TO_OPENAI = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_toke
 _KNOWN = {"model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "n", "stop",
           "stream", "logprobs", "top_logprobs", "seed", "presence_penalty", "frequency_penalty", "min_tokens",
           "return_routed_experts", "routed_experts_format", "routed_experts_start_len", "rid", "echo", "best_of",
-          "stream_options", "tools", "tool_choice", "response_format", *_SAMPLING_EXT, *_ENGINE_TO_OPENAI.values()}
+          "stream_options", "tools", "tool_choice", "response_format", "return_token_ids",
+          "incremental_streaming_output", *_SAMPLING_EXT, *_ENGINE_TO_OPENAI.values()}
 
 
 def _get(body: dict, name: str, types: tuple, default: Any = None) -> Any:
@@ -219,15 +220,16 @@ def _get(body: dict, name: str, types: tuple, default: Any = None) -> Any:
 
 
 class OpenAIServing:
-    def __init__(self, engine: Any, model_name: str, metrics: Any):
+    def __init__(self, engine: Any, model_name: str, metrics: Any, *, incremental_streaming: bool = False):
         self.engine = engine
+        self.incremental_streaming = incremental_streaming
         self.model_name = model_name
         self.metrics = metrics
 
     def models(self) -> dict:
         return {"object": "list", "data": [{
-            "id": self.model_name, "object": "model", "created": 0, "owned_by": "rollout",
-            "root": self.engine.config.model_path, "max_model_len": self.engine.context_length}]}
+            "id": self.model_name, "object": "model", "created": int(time.time()), "owned_by": "sglang",
+            "root": self.engine.config.model_path, "parent": None, "max_model_len": self.engine.context_length}]}
 
     # ---- request mapping ----------------------------------------------------------------------------
     def _common(self, body: dict, default_max: Optional[int]) -> tuple[dict, dict]:
@@ -276,15 +278,19 @@ class OpenAIServing:
     def _tok(self, tid: int) -> str:
         return self.engine.tokenizer.decode([tid], skip_special_tokens=False)
 
-    def _sgl_ext(self, out: RolloutOutput, fmt: str) -> Optional[dict]:
+    def _sglext(self, out: RolloutOutput, fmt: str) -> Optional[dict]:
+        """SGLang's SglExt (routed_experts, cached_tokens_details) plus where the rows start and their format."""
         if out.routed_experts is None:
             return None
         meta = out.meta_info(fmt)
         self.metrics.routing_bytes(fmt, len(meta["routed_experts"]))
-        return {"routed_experts": meta["routed_experts"], "routed_experts_start_len": out.routed_experts_start_len,
-                "routed_experts_format": fmt}
+        return {"routed_experts": meta["routed_experts"], "cached_tokens_details": {"device": out.cached_tokens},
+                "routed_experts_start_len": out.routed_experts_start_len, "routed_experts_format": fmt}
 
-    def _chunk_ext(self, chunk: StreamChunk, fmt: str) -> Optional[dict]:
+    def _chunk_ext(self, chunk: StreamChunk, fmt: str, incremental: bool) -> Optional[dict]:
+        """Incremental: the rows final since the previous chunk; else the whole routing on the last chunk."""
+        if not incremental:
+            return self._sglext(chunk.output, fmt) if chunk.finished else None
         if chunk.routed_experts is None:
             return None
         enc = encode_rows(chunk.routed_experts, fmt, chunk.routed_experts_start, self.engine.info)
@@ -350,7 +356,7 @@ class OpenAIServing:
 
         return await self._respond(es, request, id_prefix="cmpl", objects=("text_completion", "text_completion"),
                                    fmt=fmt, n=params["n"], stream=stream, include_usage=include_usage,
-                                   body_of=body_of, delta_of=delta_of)
+                                   body_of=body_of, delta_of=delta_of, **self._options(body))
 
     # ---- /v1/chat/completions -------------------------------------------------------------------------
     @staticmethod
@@ -430,31 +436,41 @@ class OpenAIServing:
         return await self._respond(es, request, id_prefix="chatcmpl",
                                    objects=("chat.completion", "chat.completion.chunk"), fmt=fmt, n=params["n"],
                                    stream=stream, include_usage=include_usage, body_of=body_of,
-                                   delta_of=delta_of, opening=opening[0])
+                                   delta_of=delta_of, opening=opening[0], **self._options(body))
 
     # ---- shared by both endpoints ------------------------------------------------------------------
+    def _options(self, body: dict) -> dict:
+        return {"token_ids": _get(body, "return_token_ids", (bool,), False),
+                "incremental": _get(body, "incremental_streaming_output", (bool,), self.incremental_streaming)}
+
     async def _respond(self, es: "EngineStream", request: Request, *, id_prefix: str, objects: tuple[str, str],
                        fmt: str, n: int, stream: bool, include_usage: bool,
                        body_of: Callable[[RolloutOutput], dict], delta_of: Callable[[StreamChunk], dict],
-                       opening: Optional[dict] = None) -> Response:
+                       opening: Optional[dict] = None, token_ids: bool = False, incremental: bool = False) -> Response:
         """One response object (choices from body_of), or an SSE stream of chunks (choices from
-        delta_of; `opening` first for every choice), each choice with its index, finish reason,
-        matched stop and routing (`sgl_ext`); usage at the end when asked."""
+        delta_of; `opening` first for every choice), each choice with its index, finish reason and
+        matched stop; routing in the response-level `sglext` (SGLang's place: the first choice's;
+        with several choices each also carries its own `sglext`); usage at the end when asked."""
         whole, chunk_obj = objects
         meta = {"id": f"{id_prefix}-{uuid.uuid4().hex}", "created": int(time.time()), "model": self.model_name}
         if not stream:
             outs = await es.outputs(request)
-            choices = []
+            choices, exts = [], []
             for i, out in enumerate(outs):
                 reason, matched = self._finish(out)
                 choice = {"index": i, **body_of(out), "finish_reason": reason, "matched_stop": matched}
-                ext = self._sgl_ext(out, fmt)
-                if ext is not None:
-                    choice["sgl_ext"] = ext
+                if token_ids:
+                    choice.update(token_ids=list(out.output_ids), prompt_token_ids=list(out.prompt_ids))
+                exts.append(self._sglext(out, fmt))
+                if exts[-1] is not None and len(outs) > 1:
+                    choice["sglext"] = exts[-1]
                 choices.append(choice)
             self.metrics.finished(outs)
-            return json_response({**meta, "object": whole, "choices": choices, "usage": self._usage(outs, n),
-                                  "metadata": {"weight_version": outs[0].weight_version}})
+            answer = {**meta, "object": whole, "choices": choices, "usage": self._usage(outs, n),
+                      "metadata": {"weight_version": outs[0].weight_version}}
+            if exts and exts[0] is not None:
+                answer["sglext"] = exts[0]
+            return json_response(answer)
         index = {rid: i for i, rid in enumerate(es.rids)}
 
         async def events() -> AsyncIterator[str]:
@@ -468,13 +484,16 @@ class OpenAIServing:
                     yield ": keep-alive\n\n"
                     continue
                 choice = {"index": index[chunk.rid], **delta_of(chunk), "finish_reason": None}
-                ext = self._chunk_ext(chunk, fmt)
-                if ext is not None:
-                    choice["sgl_ext"] = ext
+                if token_ids:
+                    choice["token_ids"] = list(chunk.output_ids)
                 if chunk.finished:
                     choice["finish_reason"], choice["matched_stop"] = self._finish(chunk.output)
                     finals.append(chunk.output)
-                yield sse({**meta, "object": chunk_obj, "choices": [choice]})
+                obj = {**meta, "object": chunk_obj, "choices": [choice]}
+                ext = self._chunk_ext(chunk, fmt, incremental)
+                if ext is not None:
+                    obj["sglext"] = ext
+                yield sse(obj)
             self.metrics.finished(finals)
             if include_usage:
                 finals.sort(key=lambda o: index[o.rid])

@@ -24,6 +24,8 @@ class RolloutOutput:
     num_experts: int = 0                              # for the compact wire format's dtype
     moe_layer_ids: tuple[int, ...] = ()
     num_retractions: int = 0
+    input_logprobs: Optional[list[float]] = None      # prompt tokens logprob_start_len+1 .. (logprob_start_len >= 0)
+    input_top_logprobs: Optional[list[list[tuple[float, int]]]] = None
 
     @property
     def prompt_tokens(self) -> int:

@@ -52,6 +52,8 @@ class Req:
     emit_interval: int = 0               # 0: one update when finished; k: an update every k new tokens
     max_total_len: int = 0               # prompt + output never exceed this (context limit)
     routed_dp_rank: Optional[int] = None  # DP attention: the rank this request must run on (None = any)
+    cache_ns: int = 0                    # prefix-cache namespace (cache_salt / extra_key): 0 = shared
+    prompt_logprob_start: int = -1       # logprob_start_len: input logprobs for positions start+1.. (-1: none)
 
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
@@ -70,6 +72,9 @@ class Req:
     saved_routing: Optional[torch.Tensor] = None  # [n, L, K] rows for positions start.. saved at retraction
     sent_tokens: int = 0                 # update cursors: what earlier updates carried
     sent_routing_rows: int = 0
+    input_logprobs: list[float] = field(default_factory=list)   # of prompt tokens start+1 .. len-1
+    input_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
+    sent_input_logprobs: bool = False    # an update carried the prompt logprobs
 
     @property
     def fill_ids(self) -> list[int]:
@@ -83,6 +88,20 @@ class Req:
         if stop <= n:
             return self.prompt_ids[start:stop]
         return self.prompt_ids[start:] + self.output_ids[:stop - n]
+
+    def cache_key(self, n: int) -> list[int]:
+        """fill_ids[:n] as the prefix cache's key: a salted request's key space never meets another's."""
+        ids = self.token_span(0, n)
+        if not self.cache_ns:
+            return ids
+        ns = self.cache_ns
+        return [t + ns for t in ids]
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Prompt logprobs asked and not all computed yet (their logits come from a prefill)."""
+        return (self.prompt_logprob_start >= 0
+                and len(self.input_logprobs) < len(self.prompt_ids) - 1 - self.prompt_logprob_start)
 
     @property
     def seq_len(self) -> int:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
@@ -23,6 +24,22 @@ def _check_number(name: str, value: Any, lo: float, hi: float, *, integer: bool 
         raise ValueError(f"{name} must be in {rng}, got {value!r}")
 
 
+def _check_stop_regex(value: Any) -> tuple[str, ...]:
+    pats = () if value is None else (value,) if isinstance(value, str) else value
+    if not isinstance(pats, (list, tuple)) or not all(isinstance(r, str) and r for r in pats):
+        raise ValueError(f"stop_regex must be a non-empty string or a list of them, got {value!r}"[:300])
+    if len(pats) > 16 or any(len(r) > 512 for r in pats):
+        raise ValueError("stop_regex must hold at most 16 patterns of at most 512 characters each")
+    for r in pats:
+        try:
+            rx = re.compile(r)
+        except re.error as exc:
+            raise ValueError(f"stop_regex {r!r} is not a valid regular expression: {exc}"[:300]) from None
+        if rx.search("") is not None:
+            raise ValueError(f"stop_regex {r!r} matches the empty string"[:300])
+    return tuple(pats)
+
+
 @dataclass(frozen=True, kw_only=True)
 class SamplingParams:
     """Generation settings. temperature 0 is greedy; top_k -1 (or 0) disables top-k.
@@ -41,6 +58,7 @@ class SamplingParams:
     min_new_tokens: int = 0
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
+    stop_regex: tuple[str, ...] = ()         # stop when the output text matches one (SGLang's stop_regex)
     ignore_eos: bool = False
     no_stop_trim: bool = False
     skip_special_tokens: bool = True
@@ -93,6 +111,9 @@ class SamplingParams:
         for t in ids:
             _check_number("stop_token_ids", t, 0, 2**31 - 1, integer=True)
         object.__setattr__(self, "stop_token_ids", tuple(ids))
+        object.__setattr__(self, "stop_regex", _check_stop_regex(self.stop_regex))
+        # NOTE: not a field: the compiled stop_regex patterns (checked after each token)
+        object.__setattr__(self, "stop_patterns", tuple(re.compile(r) for r in self.stop_regex))
         # NOTE: not a field (no effect on ==, hash or replace): what the sampler does with this row,
         # so a batch whose rows share one key is sampled with scalars, not per-row tensors.
         greedy = self.is_greedy

@@ -131,7 +131,7 @@ class Scheduler:
         n = req.kv_len
         if n:
             slots = self.kv_slots(req)
-            kept = self.cache.insert(req.fill_ids[:n], slots)
+            kept = self.cache.insert(req.cache_key(n), slots)
             # the cache keeps its own slots for the first `kept` tokens; ours beyond cache_len are duplicates
             if kept > req.cache_len:
                 self.kv_pool.free(slots[req.cache_len:kept])
@@ -151,7 +151,7 @@ class Scheduler:
         """Hands a running request's computed KV to the prefix cache (others can share it now)."""
         if not self.cache.enabled or req.kv_len <= req.cache_len:
             return
-        tokens = req.fill_ids[:req.kv_len]
+        tokens = req.cache_key(req.kv_len)
         own = self.kv_slots(req)
         kept = self.cache.insert(tokens, own)
         if kept > req.cache_len:
@@ -174,7 +174,12 @@ class Scheduler:
     def _admit(self, req: Req) -> None:
         """Matches the prefix cache and locks it (no allocation yet)."""
         # NOTE: the last token is always computed, so its logits exist to sample from.
-        slots, node = self.cache.match_prefix(req.fill_ids[:-1])
+        n = req.seq_len - 1
+        if req.needs_prompt_logprobs:
+            # NOTE: the hit is shortened so that every position whose logits give a prompt logprob
+            # still to compute is computed (a cached position has KV but no logits)
+            n = min(n, req.prompt_logprob_start + len(req.input_logprobs))
+        slots, node = self.cache.match_prefix(req.cache_key(n))
         self.cache.inc_lock(node)
         req.last_node = node
         req.kv_row = self.req_to_token.alloc()
@@ -266,6 +271,8 @@ class Scheduler:
             return False
         ids = req.fill_ids
         for other in scheduled:
+            if other.cache_ns != req.cache_ns:
+                continue
             common = len(os.path.commonprefix([ids, other.fill_ids]))
             if common - req.cache_len >= MIN_SHARED_PREFIX:
                 return True

@@ -22,7 +22,6 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator, Callable, Optional, Sequence
-from urllib.parse import parse_qs
 
 from fastapi import FastAPI
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -31,12 +30,17 @@ from starlette.responses import Response
 
 from rollout.engine import EngineDeadError, Rollout
 from rollout.frontend.engine_client import RidInFlightError
-from rollout.engine_core import PAUSE_MODES
+from rollout.control_routes import add_control_routes
+from rollout.generate_request import ERROR_PARAMS, GenerateCall, as_response
+from rollout.generate_stream import GenerateStream
 from rollout.health import GenerateHealth
-from rollout.openai_api import (ApiError, ClientGone, EngineStream, OpenAIServing, SSEResponse, check_routing_format,
-                                encode_rows, error_body, json_response, param_of, sse)
+from rollout.ignored_fields import IgnoredFields
+from rollout.openai_api import (ApiError, ClientGone, EngineStream, OpenAIServing, SSEResponse, error_body,
+                                json_response, param_of)
 from rollout.output import RolloutOutput
 from rollout.server_args import ServerArgs
+from rollout.request_models import install_openapi
+from rollout.server_info import VERSION, ServerInfo
 from rollout.unicode_check import body_may_hold_surrogates, invalid_unicode_field
 from rollout.weight_updater import WeightUpdateError, WeightUpdater
 
@@ -45,24 +49,11 @@ VERSION = "0.1.0"
 ENGINE_DEAD_EXIT_DELAY_S = 1.0
 RID_IN_FLIGHT = "rid_in_flight_error"   # the error type clients retry on (the rid's earlier try is not done)
 WEIGHT_PATHS = frozenset({"/update_weights_from_disk", "/update_weights_from_tensor", "/init_weights_update_group",
-                          "/update_weights_from_distributed", "/destroy_weights_update_group"})
-ADMIN_PATHS = WEIGHT_PATHS | {"/pause_generation", "/continue_generation", "/flush_cache", "/debug/integrity"}
+                          "/update_weights_from_distributed", "/destroy_weights_update_group",
+                          "/update_weight_version"})
+ADMIN_PATHS = WEIGHT_PATHS | {"/pause_generation", "/continue_generation", "/flush_cache", "/debug/integrity",
+                              "/release_memory_occupation", "/resume_memory_occupation"}
 PUBLIC_PATHS = frozenset({"/health"})
-GENERATE_FIELDS = {"text", "input_ids", "sampling_params", "rid", "return_logprob", "logprob_start_len",
-                   "top_logprobs_num", "return_routed_experts", "routed_experts_start_len", "routed_experts_format",
-                   "stream", "return_text_in_logprobs", "data_parallel_rank", "routed_dp_rank"}
-# SGLang request fields accepted for compatibility: any value / only null-or-false (unsupported features)
-GENERATE_IGNORED = {"log_metrics", "bootstrap_host", "bootstrap_port", "bootstrap_room", "priority", "extra_key",
-                    "stream_output"}
-GENERATE_ONLY_NULL = {"lora_path", "lora_id", "custom_logit_processor", "image_data", "video_data", "audio_data",
-                      "input_embeds", "session_params", "token_ids_logprob", "modalities", "return_hidden_states"}
-SAMPLING_ONLY_NULL = {"json_schema", "regex", "ebnf", "structural_tag", "custom_params", "logit_bias"}
-SAMPLING_FIELDS = {"temperature", "top_p", "top_k", "min_p", "max_new_tokens", "min_new_tokens", "stop",
-                   "stop_token_ids", "ignore_eos", "no_stop_trim", "skip_special_tokens", "n", "sampling_seed",
-                   "frequency_penalty", "presence_penalty", "repetition_penalty", "logprob_mode",
-                   "spaces_between_special_tokens", "stream_interval", "sampling_params", "prompts", "context"}
-WEIGHT_IGNORED = {"flush_cache", "load_format", "is_async", "torch_empty_cache", "keep_pause", "recapture_cuda_graph",
-                  "token_step"}
 
 
 class BodyTooLarge(Exception):
@@ -73,9 +64,10 @@ class BodyTooLarge(Exception):
 class Metrics:
     """Server-side counters; engine gauges are read at scrape time."""
 
-    def __init__(self, known_paths: set[str]):
+    def __init__(self, known_paths: set[str], ignored: IgnoredFields):
         self._lock = threading.Lock()
         self.known_paths = known_paths
+        self.ignored = ignored
         self.http: Counter = Counter()
         self.finish: Counter = Counter()
         self.routing: Counter = Counter()
@@ -140,6 +132,8 @@ class Metrics:
                [(f'{{format="{f}"}}', v) for f, v in routing])
         metric("routed_experts_messages_total", "counter", "responses/chunks carrying routed experts, by format",
                [(f'{{format="{f}"}}', v) for f, v in msgs])
+        metric("ignored_fields_total", "counter", "unknown request fields accepted and ignored, by endpoint and name",
+               [(f'{{endpoint="{e}",field="{n}"}}', v) for e, n, v in self.ignored.samples()])
         if stats.get("capture_buffer_bytes"):   # (summed over DP ranks)
             metric("capture_host_store_bytes", "gauge", "routed-expert host store size",
                    [("", stats["capture_store_bytes"])])
@@ -244,27 +238,6 @@ async def read_json(request: Request, *, allow_empty: bool = False) -> dict:
     return obj
 
 
-def check_fields(body: dict, known: set[str], ignored: set[str] = frozenset(), only_null: set[str] = frozenset(),
-                 prefix: str = "") -> None:
-    for key, value in body.items():
-        if key in known or key in ignored:
-            continue
-        if key in only_null:
-            if value in (None, False):
-                continue
-            raise ApiError(400, f"{prefix}{key} is not supported by this server", param=f"{prefix}{key}")
-        raise ApiError(400, f"unknown field {prefix}{key!r}; allowed: {sorted(known)}"[:500], param=f"{prefix}{key}")
-
-
-def typed(body: dict, name: str, types: tuple, default: Any) -> Any:
-    value = body.get(name)
-    if value is None:
-        return default
-    if (isinstance(value, bool) and bool not in types) or not isinstance(value, types):
-        raise ApiError(400, f"{name} has the wrong type ({type(value).__name__})", param=name)
-    return value
-
-
 def _engine_error(exc: ValueError, known: set[str]) -> ApiError:
     msg = str(exc)
     if isinstance(exc, RidInFlightError):
@@ -288,11 +261,13 @@ def create_app(engine: Rollout, server_args: ServerArgs) -> FastAPI:
         control_pool.shutdown(wait=False, cancel_futures=True)
         weight_pool.shutdown(wait=False, cancel_futures=True)
 
-    app = FastAPI(title="rollout-serve", version=VERSION, docs_url=None, redoc_url=None, openapi_url=None,
-                  lifespan=lifespan)
-    metrics = Metrics(set())
-    openai = OpenAIServing(engine, args.model_name, metrics)
+    app = FastAPI(title="rollout-serve", version=VERSION, docs_url="/docs", redoc_url=None,
+                  openapi_url="/openapi.json", lifespan=lifespan)
+    ignored = IgnoredFields()
+    metrics = Metrics(set(), ignored)
+    openai = OpenAIServing(engine, args.model_name, metrics, incremental_streaming=args.incremental_streaming_output)
     app.state.engine = engine
+    server_info = ServerInfo(engine, args)
     app.state.updater = updater
     info = engine.info
 
@@ -340,130 +315,40 @@ def create_app(engine: Rollout, server_args: ServerArgs) -> FastAPI:
     def tokenize(texts: list[str]) -> list[list[int]]:
         return [engine.tokenizer.encode(t) for t in texts]
 
+    def _texts(text: Any) -> list[str]:
+        if isinstance(text, str):
+            return [text]
+        return [t for t in text if isinstance(t, str)] if isinstance(text, list) else []
+
     @app.post("/generate")
     async def generate(request: Request) -> Response:
         body = await read_json(request)
-        check_fields(body, GENERATE_FIELDS, GENERATE_IGNORED, GENERATE_ONLY_NULL)
-        text, ids = body.get("text"), body.get("input_ids")
-        if (text is None) == (ids is None):
-            raise ApiError(400, "give exactly one of text or input_ids", param="text")
-        if text is not None:
-            if isinstance(text, str):
-                batch, texts = False, [text]
-            elif isinstance(text, list) and text and all(isinstance(t, str) for t in text):
-                batch, texts = True, text
-            else:
-                raise ApiError(400, "text must be a string or a non-empty list of strings", param="text")
-            size = sum(len(t) for t in texts)
-            input_ids = await blocking(tokenize, texts) if size > 20000 else tokenize(texts)
-            for i, p in enumerate(input_ids):
-                if not p:
-                    raise ApiError(400, f"text[{i}] encodes to no tokens: a prompt needs at least one", param="text")
+        if sum(len(t) for t in _texts(body.get("text"))) > 20000:
+            call = await blocking(parse_generate, body)
         else:
-            if isinstance(ids, list) and ids and all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-                batch, input_ids = False, [ids]
-            elif isinstance(ids, list) and ids and all(isinstance(p, list) for p in ids):
-                batch, input_ids = True, ids
-            else:
-                raise ApiError(400, "input_ids must be a list of token ids or a non-empty list of such lists",
-                               param="input_ids")
-        sp = body.get("sampling_params")
-        sp_list = sp if isinstance(sp, list) else [sp]
-        for j, p in enumerate(sp_list):
-            if isinstance(p, dict):
-                check_fields(p, SAMPLING_FIELDS, only_null=SAMPLING_ONLY_NULL, prefix="sampling_params.")
-                sp_list[j] = {k: v for k, v in p.items() if k not in SAMPLING_ONLY_NULL}
-        sp = sp_list if isinstance(sp, list) else sp_list[0]
-        return_logprob = typed(body, "return_logprob", (bool,), False)
-        text_in_lp = typed(body, "return_text_in_logprobs", (bool,), False)
-        stream = typed(body, "stream", (bool,), False)
-        fmt = check_routing_format(body.get("routed_experts_format"))
-        start_len = body.get("logprob_start_len")
-        starts = start_len if isinstance(start_len, list) else [start_len] * len(input_ids)
-        if len(starts) != len(input_ids):
-            raise ApiError(400, f"logprob_start_len has {len(starts)} entries for {len(input_ids)} prompts",
-                           param="logprob_start_len")
-        for s, p in zip(starts, input_ids):
-            if s is None or s == -1:
-                continue
-            if isinstance(s, bool) or not isinstance(s, int) or (isinstance(p, list) and s < len(p)):
-                raise ApiError(400, "logprob_start_len must be -1 (or null), or >= the prompt length: prompt "
-                                    "(input) logprobs are not computed by this server", param="logprob_start_len")
-        kwargs = dict(input_ids=input_ids, sampling_params=sp, return_logprob=return_logprob,
-                      top_logprobs_num=typed(body, "top_logprobs_num", (int,), 0),
-                      return_routed_experts=typed(body, "return_routed_experts", (bool,), False),
-                      routed_experts_start_len=0 if body.get("routed_experts_start_len") is None
-                      else body["routed_experts_start_len"],
-                      rid=body.get("rid"), stream=stream,
-                      routed_dp_rank=body["routed_dp_rank"] if body.get("routed_dp_rank") is not None
-                      else body.get("data_parallel_rank"))
+            call = parse_generate(body)
         try:
-            es = EngineStream(engine, **kwargs)
+            es = EngineStream(engine, **call.kwargs)
         except ValueError as exc:
-            err = _engine_error(exc, GENERATE_FIELDS | SAMPLING_FIELDS)
-            if text is not None and err.param == "input_ids":
+            err = _engine_error(exc, ERROR_PARAMS)
+            if body.get("text") is not None and err.param == "input_ids":
                 err.param = "text"
             raise err from None
-        # rids are prompt-major, each prompt's n samples together
-        counts = [((sp_list[i] if isinstance(sp, list) else sp) or {}).get("n") or 1 for i in range(len(input_ids))]
-        plen = dict(zip(es.rids, (len(p) for p, n in zip(input_ids, counts) for _ in range(n))))
-        decode = (lambda t: engine.tokenizer.decode([t], skip_special_tokens=False)) if text_in_lp else (lambda t: None)
-
-        def fix_text(d: dict) -> dict:
-            meta = d["meta_info"]
-            if text_in_lp and "output_token_logprobs" in meta:
-                meta["output_token_logprobs"] = [[lp, t, decode(t)] for lp, t, _ in meta["output_token_logprobs"]]
-            if "routed_experts" in meta:
-                metrics.routing_bytes(fmt, len(meta["routed_experts"]))
-            return d
-
-        if not stream:
+        decode = lambda t: engine.tokenizer.decode([t], skip_special_tokens=False)  # noqa: E731
+        if not call.stream:
             outs = await es.outputs(request)
             metrics.finished(outs)
-            results = [fix_text(o.to_dict(fmt)) for o in outs]
-            return json_response(results if batch or len(results) > 1 else results[0])
-        index = {rid: i for i, rid in enumerate(es.rids)}
-        multi = batch or len(es.rids) > 1
-        done_tokens = {rid: 0 for rid in es.rids}
+            answer = as_response(call, outs, es.rids, decode)
+            for item in answer if isinstance(answer, list) else [answer]:
+                if "routed_experts" in item["meta_info"]:
+                    metrics.routing_bytes(call.fmt, len(item["meta_info"]["routed_experts"]))
+            return json_response(answer)
+        stream = GenerateStream(call, es, engine=engine, metrics=metrics, decode=decode)
+        return SSEResponse(stream.events(), es.close)
 
-        async def events() -> AsyncIterator[str]:
-            try:
-                async for chunk in es.items(keepalive=True):
-                    if chunk is None:
-                        yield ": keep-alive\n\n"
-                        continue
-                    done_tokens[chunk.rid] += len(chunk.output_ids)
-                    meta: dict[str, Any] = {"id": chunk.rid, "finish_reason": None,
-                                            "prompt_tokens": plen.get(chunk.rid),
-                                            "completion_tokens": done_tokens[chunk.rid],
-                                            "weight_version": engine.weight_version}
-                    if chunk.output_logprobs is not None:
-                        meta["output_token_logprobs"] = [[lp, t, decode(t)] for lp, t in
-                                                         zip(chunk.output_logprobs, chunk.output_ids)]
-                    if chunk.output_top_logprobs is not None:
-                        meta["output_top_logprobs"] = [[[lp, t, None] for lp, t in row]
-                                                       for row in chunk.output_top_logprobs]
-                    if chunk.routed_experts is not None:
-                        enc = encode_rows(chunk.routed_experts, fmt, chunk.routed_experts_start, info)
-                        metrics.routing_bytes(fmt, len(enc))
-                        meta["routed_experts"] = enc
-                        meta["routed_experts_start"] = chunk.routed_experts_start
-                    if chunk.finished:
-                        out = chunk.output
-                        metrics.finished([out])
-                        meta.update(finish_reason=dict(out.finish_info), cached_tokens=out.cached_tokens,
-                                    weight_version=out.weight_version, completion_tokens=out.completion_tokens)
-                        if out.routed_experts is not None:
-                            meta["routed_experts_start_len"] = out.routed_experts_start_len
-                    obj: dict[str, Any] = {"text": chunk.text, "output_ids": chunk.output_ids, "meta_info": meta}
-                    if multi:
-                        obj["index"] = index[chunk.rid]
-                    yield sse(obj)
-            except EngineDeadError as exc:
-                yield sse(error_body(str(exc), "server_error", code=503))
-            yield "data: [DONE]\n\n"
-
-        return SSEResponse(events(), es.close)
+    def parse_generate(body: dict) -> GenerateCall:
+        return GenerateCall.parse(body, ignored, tokenize=tokenize,
+                                  incremental_default=args.incremental_streaming_output, num_experts=info.num_experts)
 
     # ---- OpenAI ----
     @app.post("/v1/completions")
@@ -478,124 +363,8 @@ def create_app(engine: Rollout, server_args: ServerArgs) -> FastAPI:
     async def v1_models() -> Response:
         return json_response(openai.models())
 
-    # ---- control ----
-    @app.post("/abort_request")
-    async def abort_request(request: Request) -> Response:
-        body = await read_json(request, allow_empty=True)
-        check_fields(body, {"rid", "abort_all", "abort_message"})
-        abort_all = typed(body, "abort_all", (bool,), False)
-        rid = typed(body, "rid", (str,), None)
-        if abort_all:
-            if args.admin_api_key and request.state.auth_level != "admin":
-                raise ApiError(403 if request.state.auth_level else 401, "abort_all needs the admin API key",
-                               type="authentication_error")
-            return json_response({"success": True, "num_aborted": await blocking(engine.abort_all)})
-        if not rid:
-            raise ApiError(400, "give rid (a non-empty string) or abort_all: true", param="rid")
-        found = await blocking(engine.abort, rid)
-        return json_response({"success": True, "num_aborted": int(bool(found))})
-
-    @app.post("/pause_generation")
-    async def pause_generation(request: Request) -> Response:
-        body = await read_json(request, allow_empty=True)
-        check_fields(body, {"mode"})
-        mode = body.get("mode", "abort")
-        if mode not in PAUSE_MODES:
-            raise ApiError(400, f"mode must be one of {list(PAUSE_MODES)}, got {mode!r}"[:300],
-                           param="mode")
-        count = await blocking(engine.pause_generation, mode)
-        return json_response({"success": True, "mode": mode, "num_requests": count,
-                              "message": f"generation paused ({mode})"})
-
-    @app.post("/continue_generation")
-    async def continue_generation(request: Request) -> Response:
-        body = await read_json(request, allow_empty=True)
-        check_fields(body, set(), ignored={"torch_empty_cache"})
-        was = await blocking(engine.continue_generation)
-        return json_response({"success": True, "message": "generation continued" if was else "was not paused"})
-
-    @app.api_route("/flush_cache", methods=["GET", "POST"])
-    async def flush_cache() -> Response:
-        if await blocking(engine.flush_cache):
-            return json_response({"success": True, "message": "Cache flushed."})
-        loads = await blocking(engine.loads)
-        running = sum(ld["num_running_reqs"] for ld in loads)
-        waiting = sum(ld["num_waiting_reqs"] for ld in loads)
-        raise ApiError(400, f"cannot flush the cache while requests are in flight ({running} running, "
-                            f"{waiting} waiting); retry later")
-
-    # ---- weights ----
-    async def weights_call(fn: Callable, *a: Any) -> Response:
-        return json_response(await blocking(fn, *a, pool=weight_pool))
-
-    @app.post("/update_weights_from_disk")
-    async def update_weights_from_disk(request: Request) -> Response:
-        body = await read_json(request)
-        check_fields(body, {"model_path", "weight_version", "abort_all_requests"}, WEIGHT_IGNORED)
-        return await weights_call(updater.update_from_disk, body.get("model_path"), body.get("weight_version"),
-                                  body.get("abort_all_requests", False))
-
-    @app.post("/update_weights_from_tensor")
-    async def update_weights_from_tensor(request: Request) -> Response:
-        ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
-        if ctype == "application/json":
-            body = await read_json(request)
-            check_fields(body, {"serialized_named_tensors", "weight_version", "abort_all_requests"}, WEIGHT_IGNORED)
-            if body.get("load_format") not in (None, "safetensors"):
-                raise WeightUpdateError("load_format must be 'safetensors' (or null): pickled tensors are never loaded")
-            data = body.get("serialized_named_tensors")
-            if isinstance(data, list) and len(data) == 1:
-                data = data[0]
-            if not isinstance(data, str):
-                raise WeightUpdateError("serialized_named_tensors must be a base64 string of safetensors bytes")
-            import base64
-            import binascii
-            try:
-                raw = base64.b64decode(data, validate=True)
-            except (binascii.Error, ValueError):
-                raise WeightUpdateError("serialized_named_tensors is not valid base64") from None
-            version, abort = body.get("weight_version"), body.get("abort_all_requests", False)
-        else:
-            raw = await request.body()
-            query = parse_qs(request.url.query, keep_blank_values=True)
-            unknown = sorted(set(query) - {"weight_version", "abort_all_requests"})
-            if unknown:
-                raise WeightUpdateError(f"unknown query parameter(s) {unknown}"[:300])
-            version = query.get("weight_version", [None])[-1]
-            flag = query.get("abort_all_requests", ["false"])[-1].lower()
-            if flag not in ("true", "false", "1", "0"):
-                raise WeightUpdateError("abort_all_requests must be true or false")
-            abort = flag in ("true", "1")
-        return await weights_call(updater.update_from_safetensors, raw, version, abort)
-
-    @app.post("/init_weights_update_group")
-    async def init_weights_update_group(request: Request) -> Response:
-        body = await read_json(request)
-        fields = {"master_address", "master_port", "rank_offset", "world_size", "group_name", "backend", "timeout_s"}
-        check_fields(body, fields)
-        kw = {k: body.get(k) for k in fields if k in body}
-        kw.setdefault("backend", "gloo")
-        for k in ("master_address", "master_port", "rank_offset", "world_size", "group_name"):
-            kw.setdefault(k, None)
-        return await weights_call(lambda: updater.init_group(**kw))
-
-    @app.post("/update_weights_from_distributed")
-    async def update_weights_from_distributed(request: Request) -> Response:
-        body = await read_json(request)
-        check_fields(body, {"names", "dtypes", "shapes", "weight_version", "abort_all_requests", "group_name"},
-                     WEIGHT_IGNORED)
-        return await weights_call(updater.update_from_distributed, body.get("names"), body.get("dtypes"),
-                                  body.get("shapes"), body.get("weight_version"), body.get("abort_all_requests", False))
-
-    @app.post("/destroy_weights_update_group")
-    async def destroy_weights_update_group(request: Request) -> Response:
-        body = await read_json(request, allow_empty=True)
-        check_fields(body, {"group_name"})
-        return await weights_call(updater.destroy_group, body.get("group_name"))
-
-    @app.api_route("/get_weight_version", methods=["GET", "POST"])
-    async def get_weight_version() -> Response:
-        return json_response({"weight_version": engine.weight_version})
+    add_control_routes(app, engine=engine, args=args, updater=updater, read_json=read_json, blocking=blocking,
+                       weight_pool=weight_pool, ignored=ignored)
 
     # ---- state ----
     @app.get("/health")
@@ -615,28 +384,15 @@ def create_app(engine: Rollout, server_args: ServerArgs) -> FastAPI:
             return json_response(error_body(body["message"], "server_error", code=status), status)
         return json_response(body)
 
-    def model_info() -> dict:
-        return {"model_path": engine.config.model_path, "tokenizer_path": engine.config.resolved_tokenizer_path,
-                "is_generation": True, "architecture": info.architecture, "num_hidden_layers": info.num_hidden_layers,
-                "num_experts": info.num_experts, "num_experts_per_tok": info.top_k,
-                "moe_layer_ids": list(info.moe_layer_ids), "vocab_size": info.vocab_size,
-                "context_length": engine.context_length, "max_total_num_tokens": engine.kv_capacity,
-                "served_model_name": args.model_name, "weight_version": engine.weight_version,
-                "routed_experts_formats": list(("int32", "compact")),
-                "enable_return_routed_experts": engine.config.enable_return_routed_experts}
-
     @app.get("/model_info")
     @app.get("/get_model_info")
     async def get_model_info() -> Response:
-        return json_response(model_info())
+        return json_response(server_info.model_info())
 
     @app.get("/server_info")
     @app.get("/get_server_info")
-    async def server_info() -> Response:
-        stats = await blocking(engine.stats)
-        return json_response({**args.redacted(), "version": VERSION, "weight_version": engine.weight_version,
-                              "paused": engine.paused_mode, "model_info": model_info(),
-                              "max_total_num_tokens": engine.kv_capacity, "internal_states": [stats]})
+    async def get_server_info() -> Response:
+        return json_response(server_info.server_info(await blocking(engine.stats), await blocking(engine.loads)))
 
     @app.get("/v1/loads")
     async def v1_loads() -> Response:
@@ -660,6 +416,7 @@ def create_app(engine: Rollout, server_args: ServerArgs) -> FastAPI:
                                   "running": stats["running"],
                                   "waiting": stats["waiting"], "paused": engine.paused_mode})
 
+    install_openapi(app, VERSION)
     metrics.known_paths = {r.path for r in app.routes if hasattr(r, "path")}
     app.add_middleware(Guard, args=args, metrics=metrics)
     return app

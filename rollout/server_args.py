@@ -52,6 +52,8 @@ class ServerArgs:
     # NOTE: well above HTTP clients' pool expiry (httpx 5 s, aiohttp 15 s): a server that closes an
     # idle connection first races the client's next request on it
     timeout_keep_alive: int = DEFAULT_TIMEOUT_KEEP_ALIVE
+    incremental_streaming_output: bool = False
+    allow_pickled_weight_tensors: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 <= self.port <= 65535:
@@ -158,6 +160,13 @@ class ServerArgs:
                        help="seconds an idle HTTP connection stays open (keep it above clients' pool expiry)")
         h.add_argument("--log-level", default="info", choices=LOG_LEVELS)
         h.add_argument("--enable-debug-endpoints", action="store_true", help=argparse.SUPPRESS)
+        h.add_argument("--incremental-streaming-output", action="store_true",
+                       help="streamed /generate chunks carry only what is new, with routing deltas (default: "
+                            "cumulative chunks, as SGLang)")
+        h.add_argument("--allow-pickled-weight-tensors", action="store_true",
+                       help="let /update_weights_from_tensor load SGLang's pickled serialized_named_tensors "
+                            "(runs code from the request: only for a trusted, colocated trainer; needs the admin "
+                            "key when keys are set)")
         return p
 
     @classmethod
@@ -183,7 +192,9 @@ class ServerArgs:
                 served_model_name=ns.served_model_name, api_key=ns.api_key, admin_api_key=ns.admin_api_key,
                 allowed_weight_dirs=tuple(ns.allowed_weight_dirs), max_request_bytes=ns.max_request_bytes,
                 log_level=ns.log_level, enable_debug_endpoints=ns.enable_debug_endpoints, moe_backend=ns.moe_backend,
-                timeout_keep_alive=ns.timeout_keep_alive)
+                timeout_keep_alive=ns.timeout_keep_alive,
+                incremental_streaming_output=ns.incremental_streaming_output,
+                allow_pickled_weight_tensors=ns.allow_pickled_weight_tensors)
         except ValueError as exc:
             parser.error(str(exc))
             raise  # unreachable: parser.error exits

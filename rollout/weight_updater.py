@@ -186,6 +186,16 @@ class WeightUpdater:
         del named
         return self._swap(staged, weight_version, abort_all_requests, "tensor")
 
+    def update_from_tensors(self, named: dict[str, torch.Tensor], weight_version: Any = None,
+                            abort_all_requests: Any = False, source: str = "tensors") -> dict:
+        """Already deserialized HF-named tensors (e.g. SGLang's pickled form, when allowed).
+
+        NOTE: they may share memory with the sender: copied first, so the checks hold for what is installed."""
+        self.check_common(weight_version, abort_all_requests)
+        named = {k: v.detach().clone() for k, v in named.items()}
+        staged = self.stage(named, require_all=False, source=source)
+        return self._swap(staged, weight_version, abort_all_requests, "tensor")
+
     # ---- over torch.distributed ------------------------------------------------------------------
     def init_group(self, *, master_address: Any, master_port: Any, rank_offset: Any, world_size: Any,
                    group_name: Any, backend: Any = "gloo", timeout_s: Any = DEFAULT_GROUP_TIMEOUT_S) -> dict:

@@ -92,7 +92,8 @@ async def server_run(url: str, prompts: list[list[list[int]]], params: dict) -> 
     async def client(ac: httpx.AsyncClient, mine: list[list[int]]) -> None:
         nonlocal tokens
         for p in mine:
-            body = {"input_ids": p, "sampling_params": params, "stream": True, "return_routed_experts": True}
+            body = {"input_ids": p, "sampling_params": params, "stream": True, "return_routed_experts": True,
+                    "incremental_streaming_output": True}   # chunks count their own tokens
             last = None
             async with ac.stream("POST", "/generate", json=body) as r:
                 async for line in r.aiter_lines():
@@ -123,7 +124,7 @@ def response_bytes(url: str, prompt_len: int, params: dict, seed: int) -> list[d
                 nbytes = tokens = 0
                 for p in prompts:
                     body = {"input_ids": p, "sampling_params": params, "stream": stream, "return_logprob": True,
-                            **extra}
+                            "incremental_streaming_output": True, **extra}
                     r = c.post("/generate", json=body)
                     nbytes += len(r.content)
                     tokens += params["max_new_tokens"]

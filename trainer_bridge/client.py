@@ -53,6 +53,7 @@ from .sample import Sample
 __all__ = ["RolloutClient", "ModelInfo", "RolloutError", "NoServerError", "SampleError", "RequestRejected"]
 
 ROUTING_FORMATS = ("compact", "int32")
+_COMPACT_B64 = "UkVYQ"  # base64 of the compact format's magic b"REXC" (never valid int32 expert ids)
 _RETRY_STATUS = {500, 502, 503, 504}
 _TRANSPORT_ERRORS = (httpx.TransportError,)  # connect/read/write errors, protocol errors, timeouts
 # NOTE: a pooled keep-alive connection that the server closes just as a request is written to it
@@ -91,11 +92,40 @@ class ModelInfo:
     architecture: str = ""
 
     @classmethod
-    def from_json(cls, d: Mapping) -> "ModelInfo":
+    def from_json(cls, d: Mapping, config_path: Optional[str] = None) -> "ModelInfo":
+        """From ``/model_info``. A server that does not report the routing shape (real SGLang) is
+        read through the model's ``config.json``: ``config_path`` or, when that is None, the
+        ``model_path`` the server reports (the trainer usually holds the same checkpoint)."""
+        if "num_hidden_layers" not in d:
+            return cls.from_config(config_path or str(d.get("model_path") or ""),
+                                   weight_version=str(d.get("weight_version", "")))
         return cls(num_layers=int(d["num_hidden_layers"]), num_experts=int(d["num_experts"]),
                    top_k=int(d["num_experts_per_tok"]), moe_layers=tuple(d.get("moe_layer_ids") or ()),
                    vocab_size=int(d["vocab_size"]), weight_version=str(d.get("weight_version", "")),
                    architecture=str(d.get("architecture", "")))
+
+    @classmethod
+    def from_config(cls, path: str, weight_version: str = "") -> "ModelInfo":
+        """The routing shape from a HF ``config.json`` (a file or its directory)."""
+        import os  # noqa: PLC0415
+
+        file = os.path.join(path, "config.json") if os.path.isdir(path) else path
+        try:
+            with open(file) as f:
+                cfg = json.load(f)
+        except (OSError, ValueError) as exc:
+            raise KeyError(f"the server reports no routing shape and {file!r} is not readable ({exc}); pass "
+                           f"RolloutClient(model_config=...)") from None
+        cfg = cfg.get("text_config", cfg)
+        layers = int(cfg["num_hidden_layers"])
+        experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or cfg.get("n_routed_experts"))
+        only = set(cfg.get("mlp_only_layers") or ())
+        step = int(cfg.get("decoder_sparse_step") or 1)
+        first_dense = int(cfg.get("first_k_dense_replace") or 0)
+        moe = tuple(i for i in range(layers) if i not in only and (i + 1) % step == 0 and i >= first_dense)
+        arch = (cfg.get("architectures") or [""])[0]
+        return cls(num_layers=layers, num_experts=experts, top_k=int(cfg["num_experts_per_tok"]), moe_layers=moe,
+                   vocab_size=int(cfg["vocab_size"]), weight_version=weight_version, architecture=str(arch))
 
     def same_model(self, other: "ModelInfo") -> bool:
         keys = ("num_layers", "num_experts", "top_k", "moe_layers", "vocab_size", "architecture")
@@ -157,6 +187,8 @@ class RolloutClient:
         validate: validate samples on arrival (needs routing).
         return_routed_experts: ask for routing (the trainer's replay needs it).
         transport: an httpx transport (tests use ``httpx.MockTransport``).
+        model_config: the model's ``config.json`` (or its directory), read for the routing shape
+            when a server's ``/model_info`` does not report it (real SGLang).
     """
 
     def __init__(self, urls: Union[str, Sequence[str]], *, api_key: Optional[str] = None,
@@ -164,7 +196,7 @@ class RolloutClient:
                  timeout: float = 600.0, connect_timeout: float = 10.0, max_attempts: Optional[int] = None,
                  max_concurrency: int = 512, validate: bool = True, return_routed_experts: bool = True,
                  retry_backoff_s: float = 0.05, health_timeout: float = 5.0,
-                 transport: Optional[httpx.AsyncBaseTransport] = None):
+                 transport: Optional[httpx.AsyncBaseTransport] = None, model_config: Optional[str] = None):
         urls = [urls] if isinstance(urls, str) else list(urls)
         if not urls:
             raise ValueError("RolloutClient needs at least one server URL")
@@ -188,6 +220,7 @@ class RolloutClient:
         self.retry_backoff_s = retry_backoff_s
         self._transport = transport
         self.health_timeout = health_timeout
+        self.model_config = model_config
         self.info: Optional[ModelInfo] = None
         self._http: Optional[httpx.AsyncClient] = None
         self._sem: Optional[asyncio.Semaphore] = None
@@ -307,7 +340,7 @@ class RolloutClient:
             try:
                 r = await self._http.get(s.url + "/model_info", headers=self._headers(), timeout=30)
                 r.raise_for_status()
-                infos[s.url] = ModelInfo.from_json(r.json())
+                infos[s.url] = ModelInfo.from_json(r.json(), self.model_config)
             except (httpx.HTTPError, ValueError, KeyError) as exc:
                 s.alive, s.last_error = False, f"/model_info failed: {type(exc).__name__}: {exc}"
         if not infos:
@@ -375,9 +408,12 @@ class RolloutClient:
 
     # ---- generation --------------------------------------------------------------------------
     def _body(self, req: Request) -> dict:
-        return {"input_ids": list(req.input_ids), "sampling_params": req.sampling_params, "rid": req.rid,
+        body = {"input_ids": list(req.input_ids), "sampling_params": req.sampling_params, "rid": req.rid,
                 "return_logprob": True, "return_routed_experts": self.return_routed_experts,
                 "routed_experts_format": self.routing_format, "stream": self.stream}
+        if self.stream:
+            body["incremental_streaming_output"] = True  # SGLang ignores it and streams cumulative chunks
+        return body
 
     async def generate(self, input_ids: Sequence[int], sampling_params: Optional[Mapping] = None, *,
                        rid: Optional[str] = None, group_id: Any = None, meta: Optional[dict] = None) -> Sample:
@@ -564,10 +600,17 @@ class RolloutClient:
                     if "error" in ev:
                         raise _ServerFailed(f"stream error: {str(ev['error'])[:200]}", dead=True)
                     meta = ev["meta_info"]
-                    out_ids.extend(ev.get("output_ids") or [])
+                    ids = ev.get("output_ids") or []
+                    # NOTE: a cumulative chunk (SGLang's default) holds every token so far; an
+                    # incremental one only the new ones (fewer than completion_tokens after the first)
+                    if len(ids) == meta.get("completion_tokens", -1):
+                        out_ids, lps, text_parts = [], [], []
+                    out_ids.extend(ids)
                     text_parts.append(ev.get("text") or "")
                     lps.extend(lp for lp, _t, _x in meta.get("output_token_logprobs") or [])
                     if meta.get("routed_experts") is not None:
+                        if "routed_experts_start" not in meta:  # the whole routing (cumulative streaming)
+                            rows, next_row = [], 0
                         start = int(meta.get("routed_experts_start", next_row))
                         chunk = self._decode_routing(meta["routed_experts"], req, server)
                         if start != next_row:
@@ -618,7 +661,10 @@ class RolloutClient:
     def _decode_routing(self, s: str, req: Request, server: ServerState) -> torch.Tensor:
         info = self.info
         try:
-            return decode_routed_experts(s, self.routing_format, num_layers=info.num_layers, top_k=info.top_k)
+            # NOTE: by content, not by the format asked for: a server that ignores
+            # routed_experts_format (real SGLang) answers int32
+            fmt = "compact" if s.startswith(_COMPACT_B64) else "int32"
+            return decode_routed_experts(s, fmt, num_layers=info.num_layers, top_k=info.top_k)
         except ValueError as exc:
             raise SampleError(f"sample {req.rid!r} from {server.url}: undecodable routed_experts: {exc}") from None
 

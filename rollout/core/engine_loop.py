@@ -35,7 +35,8 @@ def req_from_spec(spec: ReqSpec) -> Req:
                params=SamplingParams(**spec.params), seed=spec.seed, return_logprob=spec.return_logprob,
                top_logprobs_num=spec.top_logprobs_num, return_routed_experts=spec.return_routed_experts,
                routed_experts_start_len=spec.routed_experts_start_len, emit_interval=spec.emit_interval,
-               max_total_len=spec.max_total_len, routed_dp_rank=spec.routed_dp_rank)
+               max_total_len=spec.max_total_len, routed_dp_rank=spec.routed_dp_rank, cache_ns=spec.cache_ns,
+               prompt_logprob_start=spec.prompt_logprob_start)
 
 
 def tensors_to_wire(staged: dict[str, torch.Tensor]) -> list[list[Any]]:
@@ -106,6 +107,21 @@ class EngineCommands:
 
     def weight_version(self) -> str:
         return self.core.weight_version
+
+    def set_weight_version(self, version: str, abort_all_requests: bool = False) -> int:
+        """Relabels the weights (outputs finished from now on carry it); returns the requests aborted."""
+        aborted = self.core.abort_all() if abort_all_requests else 0
+        self.core.set_weight_version(version)
+        return aborted
+
+    def release_memory(self, tags: list[str]) -> list[str]:
+        return self.core.release_memory(tuple(tags))
+
+    def resume_memory(self, tags: list[str]) -> list[str]:
+        return self.core.resume_memory(tuple(tags))
+
+    def released_memory(self) -> list[str]:
+        return list(self.core.released_memory)
 
 
 COMMANDS = frozenset(name for name in vars(EngineCommands) if not name.startswith("_"))

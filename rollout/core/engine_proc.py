@@ -96,6 +96,8 @@ def engine_main(config: dict, rank: int, to_engine_addr: str, from_engine_addr: 
         except BaseException:  # noqa: BLE001
             pass
     finally:
+        if core is not None:
+            core.close()
         try:
             import torch.distributed as dist  # noqa: PLC0415
 

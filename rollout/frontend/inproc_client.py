@@ -78,6 +78,8 @@ class InprocClient:
             logging.getLogger(__name__).exception("engine thread failed")
             self._die(f"engine thread failed: {exc!r}")
             return
+        finally:
+            core.close()
         self._die("engine is shut down")
 
     def _absorb(self, msg: StepOut) -> None:

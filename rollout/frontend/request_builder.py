@@ -9,6 +9,7 @@ from the prompt's.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import itertools
 import random
 import uuid
@@ -24,6 +25,15 @@ from rollout.tokenizer import Tokenizer
 
 MAX_TOP_LOGPROBS = 64
 ParamsArg = Union[None, dict, SamplingParams, Sequence[Union[dict, SamplingParams]]]
+
+
+def cache_namespace(salt: Optional[str]) -> int:
+    """The prefix-cache namespace of a cache_salt: 0 (shared) for None, else a 64-bit hash shifted
+    above every token id, so keys of different salts never compare equal."""
+    if salt is None:
+        return 0
+    digest = hashlib.blake2b(salt.encode("utf-8", "surrogatepass"), digest_size=8).digest()
+    return (int.from_bytes(digest, "little") | 1) << 32
 
 
 def derive_seed(seed: int, index: int) -> int:
@@ -42,6 +52,7 @@ class RequestBuilder:
         self.context_length, self.kv_capacity, self.routing = context_length, kv_capacity, routing
         self._rng = random.Random(config.seed)
         self._uids = itertools.count(1)
+        self.released_memory: tuple[str, ...] = ()   # set by Rollout.release/resume_memory_occupation
 
     def _decode(self, ids: list[int], skip_special_tokens: bool) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
@@ -86,8 +97,15 @@ class RequestBuilder:
         return [value] * count
 
     def build(self, prompts: Any, input_ids: Any, sampling_params: ParamsArg, return_logprob: Any,
-               top_logprobs_num: Any, return_routed_experts: Any, routed_experts_start_len: Any, rid: Any,
-               stream: bool, routed_dp_rank: Any = None) -> list[list[tuple[ReqSpec, RequestState]]]:
+              top_logprobs_num: Any, return_routed_experts: Any, routed_experts_start_len: Any, rid: Any,
+              stream: bool, routed_dp_rank: Any = None, cache_salt: Any = None,
+              logprob_start_len: Any = -1) -> list[list[tuple[ReqSpec, RequestState]]]:
+        """return_logprob, top_logprobs_num, return_routed_experts, routed_experts_start_len, rid,
+        routed_dp_rank, cache_salt and logprob_start_len: one value for every prompt or a list with
+        one per prompt."""
+        if self.released_memory:
+            raise ValueError(f"the server's memory is released ({', '.join(self.released_memory)}): call "
+                             f"resume_memory_occupation first")
         batch = self._prompt_ids(prompts, input_ids)
         n_prompts = len(batch)
         if isinstance(sampling_params, (list, tuple)):
@@ -96,24 +114,38 @@ class RequestBuilder:
             params = [SamplingParams.from_any(p) for p in sampling_params]
         else:
             params = [SamplingParams.from_any(sampling_params)] * n_prompts
-        if not isinstance(return_logprob, bool):
-            raise ValueError(f"return_logprob must be a boolean, got {return_logprob!r}")
-        if isinstance(top_logprobs_num, bool) or not isinstance(top_logprobs_num, int) \
-                or not 0 <= top_logprobs_num <= min(MAX_TOP_LOGPROBS, self.info.vocab_size):
-            raise ValueError(f"top_logprobs_num must be an integer in [0, "
-                             f"{min(MAX_TOP_LOGPROBS, self.info.vocab_size)}], got {top_logprobs_num!r}")
-        if not isinstance(return_routed_experts, bool):
-            raise ValueError(f"return_routed_experts must be a boolean, got {return_routed_experts!r}")
-        if return_routed_experts and not self.config.enable_return_routed_experts:
-            raise ValueError("return_routed_experts=True needs an engine started with "
-                             "enable_return_routed_experts=True")
+        want_lp = self._per_prompt("return_logprob", return_logprob, n_prompts, ())
+        tops = self._per_prompt("top_logprobs_num", top_logprobs_num, n_prompts, ())
+        want_routes = self._per_prompt("return_routed_experts", return_routed_experts, n_prompts, ())
+        salts = self._per_prompt("cache_salt", cache_salt, n_prompts, (str,))
+        lp_starts = self._per_prompt("logprob_start_len", logprob_start_len, n_prompts, ())
+        top_max = min(MAX_TOP_LOGPROBS, self.info.vocab_size)
+        for lp, top, route, salt in zip(want_lp, tops, want_routes, salts):
+            if not isinstance(lp, bool):
+                raise ValueError(f"return_logprob must be a boolean, got {lp!r}")
+            if isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= top_max:
+                raise ValueError(f"top_logprobs_num must be an integer in [0, {top_max}], got {top!r}")
+            if not isinstance(route, bool):
+                raise ValueError(f"return_routed_experts must be a boolean, got {route!r}")
+            if route and not self.config.enable_return_routed_experts:
+                raise ValueError("return_routed_experts=True needs an engine started with "
+                                 "enable_return_routed_experts=True")
+            if salt is not None and (not isinstance(salt, str) or len(salt) > 1024):
+                raise ValueError(f"cache_salt must be a string of at most 1024 characters, got {salt!r}"[:300])
         starts = self._per_prompt("routed_experts_start_len", routed_experts_start_len, n_prompts, ())
         rids = self._per_prompt("rid", rid, n_prompts, (str,))
         capacity = self.kv_capacity
         dp_ranks = self._per_prompt("routed_dp_rank", routed_dp_rank, n_prompts, ())
         groups: list[list[tuple[ReqSpec, RequestState]]] = []
         seen: set[str] = set()
-        for ids, p, start, r, dp_rank in zip(batch, params, starts, rids, dp_ranks):
+        for ids, p, start, r, dp_rank, lp, top, route, salt, lp_start in zip(
+                batch, params, starts, rids, dp_ranks, want_lp, tops, want_routes, salts, lp_starts):
+            if isinstance(lp_start, bool) or not isinstance(lp_start, int) or lp_start < -1:
+                raise ValueError(f"logprob_start_len must be -1 or an integer >= 0, got {lp_start!r}")
+            lp_start = lp_start if lp and 0 <= lp_start < len(ids) - 1 else -1
+            if lp_start >= 0 and self.config.dp_size > 1:
+                raise ValueError("logprob_start_len below the prompt length (prompt logprobs) is not supported "
+                                 "with dp_size > 1")
             if dp_rank is not None and (isinstance(dp_rank, bool) or not isinstance(dp_rank, int)
                                         or not 0 <= dp_rank < self.config.dp_size):
                 raise ValueError(f"routed_dp_rank must be None or an integer in [0, {self.config.dp_size}) "
@@ -130,7 +162,8 @@ class RequestBuilder:
             base_rid = r or uuid.uuid4().hex
             seed = p.sampling_seed if p.sampling_seed is not None else self._rng.getrandbits(63)
             engine_params = {f.name: getattr(p, f.name) for f in dataclasses.fields(p)}
-            engine_params["stop"] = ()   # NOTE: stop strings are the front end's (RequestState)
+            # NOTE: stop strings and patterns are the front end's (RequestState)
+            engine_params["stop"], engine_params["stop_regex"] = (), ()
             prompt = np.asarray(ids, dtype=np.int32).tobytes()
             interval = p.stream_interval or self.config.stream_interval
             group = []
@@ -141,14 +174,15 @@ class RequestBuilder:
                 seen.add(child)
                 st = RequestState(
                     uid=next(self._uids), rid=child, group_rid=base_rid, prompt_ids=list(ids), params=p,
-                    stream=stream, stream_interval=interval, return_logprob=return_logprob,
-                    top_logprobs_num=top_logprobs_num, return_routed_experts=return_routed_experts,
-                    routed_experts_start_len=start, decode=self._decode, routing=self.routing)
+                    stream=stream, stream_interval=interval, return_logprob=lp, top_logprobs_num=top,
+                    return_routed_experts=route, routed_experts_start_len=start, decode=self._decode,
+                    routing=self.routing, prompt_logprob_start=lp_start)
                 spec = ReqSpec(uid=st.uid, rid=child, prompt_ids=prompt, params=engine_params,
-                               seed=derive_seed(seed, k), return_logprob=return_logprob,
-                               top_logprobs_num=top_logprobs_num, return_routed_experts=return_routed_experts,
-                               routed_experts_start_len=start, emit_interval=st.emit_interval,
-                               max_total_len=self.context_length, routed_dp_rank=dp_rank)
+                               seed=derive_seed(seed, k), return_logprob=lp, top_logprobs_num=top,
+                               return_routed_experts=route, routed_experts_start_len=start,
+                               emit_interval=st.emit_interval, max_total_len=self.context_length,
+                               routed_dp_rank=dp_rank, cache_ns=cache_namespace(salt),
+                               prompt_logprob_start=lp_start)
                 group.append((spec, st))
             groups.append(group)
         return groups

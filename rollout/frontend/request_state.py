@@ -33,17 +33,20 @@ class RequestState:
     def __init__(self, *, uid: int, rid: str, group_rid: str, prompt_ids: list[int], params: SamplingParams,
                  stream: bool, stream_interval: int, return_logprob: bool, top_logprobs_num: int,
                  return_routed_experts: bool, routed_experts_start_len: int,
-                 decode: Callable[[list[int], bool], str], routing: Optional[RoutingShape]):
+                 decode: Callable[[list[int], bool], str], routing: Optional[RoutingShape],
+                 prompt_logprob_start: int = -1):
         self.uid, self.rid, self.prompt_ids, self.params = uid, rid, prompt_ids, params
         self.group_rid = group_rid           # the caller's rid (rid_k are its n > 1 samples)
+        self.prompt_logprob_start = prompt_logprob_start
         self.stream, self.interval = stream, stream_interval
         self.return_logprob, self.top_logprobs_num = return_logprob, top_logprobs_num
         self.start_len = routed_experts_start_len
         self.routing = routing if return_routed_experts else None
         self.sink: Optional[Callable[[Any], None]] = None   # set when submitted
         self._decode = decode
+        self.watch = bool(params.stop or params.stop_patterns)    # stop strings / patterns to find
         self.detok = IncrementalDetokenizer(lambda ids: decode(ids, params.skip_special_tokens)) \
-            if stream or params.stop else None
+            if stream or self.watch else None
         self._stop_window = max((len(s) for s in params.stop), default=0) + 16
         self.output_ids: list[int] = []
         self.logprobs: list[float] = []
@@ -51,6 +54,7 @@ class RequestState:
         self.rows: list[np.ndarray] = []       # routing parts, [n, L, K] each
         self.num_rows = 0
         self.routed = False    # whether the engine sent routing (not for an abort before any KV was computed)
+        self.input_lp: dict[str, Any] = {}   # prompt logprobs, once the engine sent them
         self.sent_tokens = 0
         self.sent_text_len = 0
         self.sent_rows = 0
@@ -59,7 +63,7 @@ class RequestState:
     @property
     def emit_interval(self) -> int:
         """How often the engine must send deltas: every token when stop strings are watched."""
-        if self.params.stop:
+        if self.watch:
             return 1
         return self.interval if self.stream else 0
 
@@ -80,6 +84,8 @@ class RequestState:
             if part.shape[0]:
                 self.rows.append(part)
                 self.num_rows += part.shape[0]
+        if upd.input_logprobs is not None:
+            self.input_lp = self._input_logprobs(upd)
         hit: Optional[str] = None
         for i, tok in enumerate(new_ids):
             self.output_ids.append(tok)
@@ -87,10 +93,8 @@ class RequestState:
                 self.logprobs.append(lps[i])
             if tops is not None:
                 self.top.append(tops[i])
-            if self.params.stop and len(self.output_ids) >= self.params.min_new_tokens:
-                self.detok.step(self.output_ids)
-                window = self.detok.text[-self._stop_window:]
-                hit = next((s for s in self.params.stop if s in window), None)
+            if self.watch and len(self.output_ids) >= self.params.min_new_tokens:
+                hit = self._stop_hit()
                 if hit is not None:
                     break
         if hit is not None:
@@ -102,11 +106,24 @@ class RequestState:
             reason = FinishReason(upd.finish_type, upd.finish_matched, upd.finish_message, upd.finish_err_type,
                                   upd.finish_status_code)
             return self._finish(reason, upd), False
-        if self.stream and self.detok is not None and not self.params.stop:
+        if self.stream and self.detok is not None and not self.watch:
             self.detok.step(self.output_ids)
         if self.stream and len(self.output_ids) - self.sent_tokens >= self.interval:
             return [self._chunk(finished=False)], False
         return [], False
+
+    def _stop_hit(self) -> Optional[str]:
+        """The stop string (or the text a stop_regex matched) the output now contains, if any."""
+        self.detok.step(self.output_ids)
+        text = self.detok.text
+        window = text[-self._stop_window:]
+        hit = next((s for s in self.params.stop if s in window), None)
+        if hit is None:
+            for rx in self.params.stop_patterns:
+                m = rx.search(text)
+                if m is not None:
+                    return m.group(0)
+        return hit
 
     def _trim_rows(self, keep: int) -> None:
         if self.routing is None or self.num_rows <= keep:
@@ -136,10 +153,23 @@ class RequestState:
             cached_tokens=upd.cached_tokens, weight_version=upd.weight_version,
             routed_experts=self._routing_tensor(0), routed_experts_start_len=self.start_len,
             num_experts=self.routing.num_experts if self.routing else 0,
-            moe_layer_ids=self.routing.moe_layer_ids if self.routing else (), num_retractions=upd.num_retractions)
+            moe_layer_ids=self.routing.moe_layer_ids if self.routing else (), num_retractions=upd.num_retractions,
+            **(self.input_lp or self._input_logprobs(upd)))
         if self.stream:
             return [self._chunk(finished=True, output=output)]
         return [output]
+
+    def _input_logprobs(self, upd: ReqUpdate) -> dict[str, Any]:
+        """Prompt logprobs (logprob_start_len >= 0), as the engine sends them with the final update."""
+        if self.prompt_logprob_start < 0:
+            return {}
+        out: dict[str, Any] = {"input_logprobs": float_list(upd.input_logprobs), "input_top_logprobs": []}
+        if upd.input_top_ids:
+            n = self.top_logprobs_num
+            ids = np.frombuffer(upd.input_top_ids, dtype=np.int32).reshape(-1, n).tolist()
+            lps = np.frombuffer(upd.input_top_logprobs, dtype=np.float32).reshape(-1, n).tolist()
+            out["input_top_logprobs"] = [list(zip(a, b)) for a, b in zip(lps, ids)]
+        return out
 
     def _chunk(self, *, finished: bool, output: Optional[RolloutOutput] = None) -> StreamChunk:
         lo = self.sent_tokens

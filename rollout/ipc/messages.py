@@ -27,6 +27,8 @@ class ReqSpec(msgspec.Struct, kw_only=True, array_like=True):
     emit_interval: int                   # 0: one update when finished; k: deltas every k tokens
     max_total_len: int
     routed_dp_rank: Optional[int] = None
+    cache_ns: int = 0                    # prefix-cache namespace (cache_salt): 0 = shared
+    prompt_logprob_start: int = -1       # logprob_start_len for prompt logprobs (-1: none)
 
 
 class AddReqs(msgspec.Struct, tag=True, array_like=True):
@@ -70,6 +72,9 @@ class ReqUpdate(msgspec.Struct, kw_only=True, array_like=True, omit_defaults=Tru
     num_retractions: int = 0
     weight_version: str = ""
     kv_computed: int = 0                 # positions whose KV (and routing) exists
+    input_logprobs: Optional[bytes] = None      # float32, prompt tokens start+1 .. (final update only)
+    input_top_ids: Optional[bytes] = None       # int32 [prompt tokens, top_n]
+    input_top_logprobs: Optional[bytes] = None  # float32 [prompt tokens, top_n]
 
 
 class Reply(msgspec.Struct, kw_only=True, array_like=True, omit_defaults=True):

@@ -27,13 +27,17 @@ class EagerRunner:
         self.ep_group = ep_group
 
     def forward(self, batch: Optional[Any], counts: tuple[int, ...],
-                choice: Optional[RunnerChoice] = None) -> ForwardOutput:
-        """batch: this rank's ScheduledBatch, or None (idle: an empty forward that joins the collectives)."""
+                choice: Optional[RunnerChoice] = None, all_logits: bool = False) -> ForwardOutput:
+        """batch: this rank's ScheduledBatch, or None (idle: an empty forward that joins the collectives).
+        all_logits: also return every token's logits (token rows request-major, no padding)."""
         layout = GatherLayout.packed(self.name, counts)
         fb = padded_forward_batch(batch, kv_pool=self.kv_pool, device=self.device, capture=self.capture_buffer,
                                   segment_attention=True)
         fb = dataclasses.replace(fb, layout=layout, ep_group=self.ep_group)
         if self.attention is not None:
             fb = self.attention.bind(fb, static=False)
+        if all_logits:
+            full = self.model(fb, return_all_logits=True).float()               # [N, vocab]
+            return ForwardOutput(logits=full[fb.logits_indices], layout=layout, token_logits=full)
         logits = self.model(fb)
         return ForwardOutput(logits=logits.float(), layout=layout)

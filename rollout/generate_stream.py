@@ -1,0 +1,116 @@
+"""GenerateStream: the SSE chunks of a streaming `/generate`.
+
+Cumulative (SGLang's default): each chunk carries the text, output_ids and output_token_logprobs
+so far; the routing comes once, complete, in the final chunk's meta_info (where the non-streaming
+answer has it). Incremental (`--incremental-streaming-output`, or `incremental_streaming_output:
+true` on a request): each chunk carries only what is new, and the routing rows that became final
+since the previous chunk with `routed_experts_start` (their absolute position).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, AsyncIterator, Callable
+
+from rollout.engine import EngineDeadError
+from rollout.generate_request import GenerateCall
+from rollout.openai_api import EngineStream, error_body, sse
+from rollout.stream_chunk import StreamChunk
+
+
+class _Progress:
+    """What one request has streamed so far (cumulative mode keeps it all)."""
+
+    __slots__ = ("text", "ids", "logprobs", "tops")
+
+    def __init__(self) -> None:
+        self.text = ""
+        self.ids: list[int] = []
+        self.logprobs: list[list] = []
+        self.tops: list[list] = []
+
+
+class GenerateStream:
+    def __init__(self, call: GenerateCall, es: EngineStream, *, engine: Any, metrics: Any,
+                 decode: Callable[[int], str]):
+        self.call = call
+        self.es = es
+        self.engine = engine
+        self.metrics = metrics
+        self.decode = decode
+        self.prompt_of = call.prompt_index(es.rids)
+        self.index = {rid: i for i, rid in enumerate(es.rids)}
+        self.multi = call.batch or len(es.rids) > 1
+        self.progress = {rid: _Progress() for rid in es.rids}
+
+    async def events(self) -> AsyncIterator[str]:
+        try:
+            async for chunk in self.es.items(keepalive=True):
+                if chunk is None:
+                    yield ": keep-alive\n\n"
+                    continue
+                obj = self._incremental(chunk) if self.call.incremental else self._cumulative(chunk)
+                if self.multi:
+                    obj["index"] = self.index[chunk.rid]
+                yield sse(obj)
+        except EngineDeadError as exc:
+            yield sse(error_body(str(exc), "server_error", code=503))
+        yield "data: [DONE]\n\n"
+
+    def _final_meta(self, chunk: StreamChunk, *, with_routing: bool) -> dict:
+        out = chunk.output
+        self.metrics.finished([out])
+        if not with_routing and out.routed_experts is not None:
+            meta = self.call.meta_info(dataclasses.replace(out, routed_experts=None), self.prompt_of[chunk.rid],
+                                       self.decode)
+            meta["routed_experts_start_len"] = out.routed_experts_start_len
+            return meta
+        meta = self.call.meta_info(out, self.prompt_of[chunk.rid], self.decode)
+        if "routed_experts" in meta:
+            self.metrics.routing_bytes(self.call.fmt, len(meta["routed_experts"]))
+        return meta
+
+    def _cumulative(self, chunk: StreamChunk) -> dict:
+        if chunk.finished:
+            out = chunk.output
+            return {"text": out.text, "output_ids": list(out.output_ids),
+                    "meta_info": self._final_meta(chunk, with_routing=True)}
+        p = self.progress[chunk.rid]
+        p.text += chunk.text
+        p.ids.extend(chunk.output_ids)
+        entry = self.call.token_entry(self.decode)
+        meta: dict[str, Any] = {"id": chunk.rid, "finish_reason": None,
+                                "prompt_tokens": len(self.call.prompts[self.prompt_of[chunk.rid]]),
+                                "completion_tokens": len(p.ids), "weight_version": self.engine.weight_version}
+        if chunk.output_logprobs is not None:
+            p.logprobs.extend(entry(lp, t) for lp, t in zip(chunk.output_logprobs, chunk.output_ids))
+            meta["output_token_logprobs"] = p.logprobs
+            meta.update(self.call.input_logprobs(self.prompt_of[chunk.rid], chunk.output_top_logprobs is not None,
+                                                 self.decode))
+        if chunk.output_top_logprobs is not None:
+            p.tops.extend([entry(lp, t) for lp, t in row] for row in chunk.output_top_logprobs)
+            meta["output_top_logprobs"] = p.tops
+        return {"text": p.text, "output_ids": p.ids, "meta_info": meta}
+
+    def _incremental(self, chunk: StreamChunk) -> dict:
+        p = self.progress[chunk.rid]
+        p.ids.extend(chunk.output_ids)
+        entry = self.call.token_entry(self.decode)
+        meta: dict[str, Any] = {"id": chunk.rid, "finish_reason": None,
+                                "prompt_tokens": len(self.call.prompts[self.prompt_of[chunk.rid]]),
+                                "completion_tokens": len(p.ids), "weight_version": self.engine.weight_version}
+        if chunk.finished:
+            meta = self._final_meta(chunk, with_routing=False)   # the rows go out as deltas below
+        if chunk.output_logprobs is not None:
+            meta["output_token_logprobs"] = [entry(lp, t) for lp, t in zip(chunk.output_logprobs, chunk.output_ids)]
+        else:
+            meta.pop("output_token_logprobs", None)
+        if chunk.output_top_logprobs is not None:
+            meta["output_top_logprobs"] = [[entry(lp, t) for lp, t in row] for row in chunk.output_top_logprobs]
+        else:
+            meta.pop("output_top_logprobs", None)
+        if chunk.routed_experts is not None:
+            enc = self.call.encode_routing(chunk.routed_experts, chunk.routed_experts_start, self.engine.info)
+            self.metrics.routing_bytes(self.call.fmt, len(enc))
+            meta["routed_experts"] = enc
+            meta["routed_experts_start"] = chunk.routed_experts_start
+        return {"text": chunk.text, "output_ids": chunk.output_ids, "meta_info": meta}

@@ -1,0 +1,71 @@
+"""ServerInfo: the `/model_info` and `/server_info` answers in SGLang's shape (its ServerArgs names and
+get_model_info fields), with this server's own fields added (routed-expert shape, DP loads)."""
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any
+
+from rollout.server_args import ServerArgs
+
+VERSION = "0.1.0"
+
+
+def _model_type(model_path: str) -> str:
+    try:
+        with open(os.path.join(model_path, "config.json")) as f:
+            return str(json.load(f).get("model_type", ""))
+    except (OSError, ValueError):
+        return ""
+
+
+class ServerInfo:
+    def __init__(self, engine: Any, args: ServerArgs):
+        self.engine = engine
+        self.args = args
+        self.model_type = _model_type(engine.config.model_path)
+        self.started = int(time.time())
+
+    def model_info(self) -> dict[str, Any]:
+        engine, info = self.engine, self.engine.info
+        return {
+            # SGLang's get_model_info
+            "model_path": engine.config.model_path, "tokenizer_path": engine.config.resolved_tokenizer_path,
+            "is_generation": True, "preferred_sampling_params": None, "weight_version": engine.weight_version,
+            "has_image_understanding": False, "has_audio_understanding": False, "model_type": self.model_type,
+            "architectures": [info.architecture],
+            # the routed-expert shape a trainer decodes with (ours)
+            "architecture": info.architecture, "num_hidden_layers": info.num_hidden_layers,
+            "num_experts": info.num_experts, "num_experts_per_tok": info.top_k,
+            "moe_layer_ids": list(info.moe_layer_ids), "vocab_size": info.vocab_size,
+            "context_length": engine.context_length, "max_total_num_tokens": engine.kv_capacity,
+            "served_model_name": self.args.model_name, "routed_experts_formats": ["int32", "compact"],
+            "enable_return_routed_experts": engine.config.enable_return_routed_experts}
+
+    def sglang_args(self) -> dict[str, Any]:
+        """This server's settings under SGLang's ServerArgs names (single process: tp = pp = 1)."""
+        a = self.args
+        return {
+            "model_path": a.model_path, "tokenizer_path": a.tokenizer_path or a.model_path,
+            "served_model_name": a.model_name, "host": a.host, "port": a.port, "dtype": a.dtype, "device": a.device,
+            "tp_size": 1, "pp_size": 1, "dp_size": a.dp_size, "ep_size": a.dp_size,
+            "enable_dp_attention": a.dp_size > 1, "enable_memory_saver": a.dp_size == 1,
+            "enable_return_routed_experts": a.enable_return_routed_experts,
+            "context_length": self.engine.context_length, "max_running_requests": a.max_running_requests,
+            "max_total_tokens": self.engine.kv_capacity, "chunked_prefill_size": a.chunked_prefill_size or -1,
+            "disable_radix_cache": a.disable_prefix_caching, "stream_interval": a.stream_interval,
+            "incremental_streaming_output": a.incremental_streaming_output, "stream_output":
+                a.incremental_streaming_output, "random_seed": a.seed, "weight_version": self.engine.weight_version,
+            "skip_tokenizer_init": False, "log_level": a.log_level, "api_key": "<set>" if a.api_key else None,
+            "admin_api_key": "<set>" if a.admin_api_key else None, "attention_backend": "torch_native",
+            "cuda_graph_bs": list(a.decode_graph_batch_sizes), "disable_cuda_graph": not a.decode_graph_batch_sizes,
+        }
+
+    def server_info(self, stats: dict, loads: list[dict]) -> dict[str, Any]:
+        internal = [{**stats, "dp_rank": ld["dp_rank"], "load": ld,
+                     "memory_usage": {"kv_cache_tokens": ld["max_total_num_tokens"]}} for ld in loads]
+        return {**self.args.redacted(), **self.sglang_args(), "version": VERSION,
+                "paused": self.engine.paused_mode, "model_info": self.model_info(),
+                "max_total_num_tokens": self.engine.kv_capacity, "max_req_input_len": self.engine.context_length - 1,
+                "internal_states": internal, "started": self.started}
