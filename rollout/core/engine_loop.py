@@ -194,7 +194,9 @@ class EngineLoop:
                 self._handle(msg, replies)
             work = core.has_work()
             if sync is not None:
-                work, stop = sync.agree(work, self.stopping)
+                # NOTE: an orphaned rank (front end gone) stops all ranks together, at the next meeting
+                orphaned = not work and not self.alive()
+                work, stop = sync.agree(work, self.stopping or orphaned)
                 self.stopping = self.stopping or stop
             if self.stopping:
                 self._send(replies)

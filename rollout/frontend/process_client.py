@@ -278,6 +278,10 @@ class ProcessClient:
         if self._dead is not None:
             raise EngineDeadError(self._dead)
 
+    def _send(self, rank: int, msg: Any, check: bool = True) -> None:
+        if not self._sockets[rank].send(msg) and check:
+            raise EngineDeadError(self.dead_reason or f"engine rank {rank} is not connected")
+
     def _pick_rank(self, specs: list[ReqSpec]) -> int:
         return 0
 
@@ -293,7 +297,7 @@ class ProcessClient:
                 self._busy[rank] = True
                 by_rank.setdefault(rank, []).extend(specs)
         for rank, specs in by_rank.items():
-            self._sockets[rank].send(AddReqs(specs))
+            self._send(rank, AddReqs(specs))
 
     def abort(self, uids: list[int], message: str = "aborted by request") -> None:
         if self._dead is not None or not uids:
@@ -305,7 +309,7 @@ class ProcessClient:
                 if rank is not None:
                     by_rank.setdefault(rank, []).append(uid)
         for rank, ids in by_rank.items():
-            self._sockets[rank].send(AbortReqs(ids, message))
+            self._send(rank, AbortReqs(ids, message), check=False)
 
     def call(self, method: str, *args: Any) -> list[Any]:
         self._check()
@@ -315,8 +319,8 @@ class ProcessClient:
             self._calls[call_id] = (futures, 0)
         try:
             self._check()
-            for s in self._sockets:
-                s.send(Call(call_id, method, list(args)))
+            for rank in range(self.dp_size):
+                self._send(rank, Call(call_id, method, list(args)))
             out = []
             for fut in futures:
                 while True:
@@ -336,7 +340,7 @@ class ProcessClient:
             try:
                 s.send(Shutdown())
             except zmq.ZMQError:
-                pass
+                pass   # NOTE: closed already
         deadline = time.monotonic() + self.STOP_TIMEOUT_S
         for p in self._procs:
             p.join(timeout=max(0.0, deadline - time.monotonic()))

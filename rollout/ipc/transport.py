@@ -41,9 +41,15 @@ class FrontSockets:
         self._codec = Codec()
         self.decoder = Codec().from_engine   # the receiver thread's own
 
-    def send(self, msg: ToEngine) -> None:
+    def send(self, msg: ToEngine) -> bool:
+        """False when the engine is not connected (it died): a PUSH socket without a peer would block.
+        NOTE: no high-water mark, so a connected engine never makes this fail."""
         with self._lock:
-            self.push.send(self._codec.encoder.encode(msg), copy=False)
+            try:
+                self.push.send(self._codec.encoder.encode(msg), zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return False
+        return True
 
     def close(self) -> None:
         self.push.close(linger=0)
