@@ -342,7 +342,9 @@ class EngineCore:
     # ---- outputs -------------------------------------------------------------------------------
     def _routing_hi(self, req: Req) -> int:
         if req.kv_len:
-            return req.kv_len
+            # NOTE: a step that failed mid-forward (a DP peer died) had counted the position it was
+            # feeding; its row never finished. A request never has more than seq_len - 1 rows.
+            return min(req.kv_len, req.seq_len - 1)
         if req.saved_routing is not None:
             return req.routed_experts_start_len + req.saved_routing.shape[0]
         return req.routed_experts_start_len

@@ -16,6 +16,18 @@ class ReqState(enum.Enum):
     FINISHED = "finished"
 
 
+def cache_namespace(salt: Optional[str]) -> int:
+    """The prefix-cache namespace of a cache_salt: 0 (shared) for None, else a 64-bit hash shifted
+    above every token id, so keys of different salts never compare equal."""
+    if salt is None:
+        return 0
+    import hashlib  # noqa: PLC0415
+
+    digest = hashlib.blake2b(salt.encode("utf-8", "surrogatepass"), digest_size=8).digest()
+    return (int.from_bytes(digest, "little") | 1) << 32
+
+
+
 @dataclass(frozen=True)
 class FinishReason:
     type: str                       # "stop" | "length" | "abort"

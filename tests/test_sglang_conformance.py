@@ -387,7 +387,9 @@ def test_release_and_resume_memory_occupation(server, client):
     before = client.post("/generate", json={"input_ids": ids, "sampling_params": greedy,
                                             "return_routed_experts": True}).json()
     wait_idle(client)
-    proc = psutil.Process(server._server.proc.pid)
+    # NOTE: the KV pool and the weights live in the engine process (the server's child)
+    (proc,) = [p for p in psutil.Process(server._server.proc.pid).children()
+               if "rollout.core.engine_proc" in p.cmdline()]
     rss0 = proc.memory_info().rss
     r = client.post("/release_memory_occupation", json={"tags": ["kv_cache", "weights"]})
     assert r.status_code == 200 and r.json()["released"] == ["weights", "kv_cache"], r.text

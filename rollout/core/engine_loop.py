@@ -16,7 +16,7 @@ import torch
 
 from rollout.engine_core import EngineCore
 from rollout.ipc.messages import AbortReqs, AddReqs, Call, FromEngine, Reply, ReqSpec, Shutdown, StepOut, ToEngine
-from rollout.request import Req
+from rollout.request import Req, cache_namespace
 from rollout.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -35,7 +35,7 @@ def req_from_spec(spec: ReqSpec) -> Req:
                params=SamplingParams(**spec.params), seed=spec.seed, return_logprob=spec.return_logprob,
                top_logprobs_num=spec.top_logprobs_num, return_routed_experts=spec.return_routed_experts,
                routed_experts_start_len=spec.routed_experts_start_len, emit_interval=spec.emit_interval,
-               max_total_len=spec.max_total_len, routed_dp_rank=spec.routed_dp_rank, cache_ns=spec.cache_ns,
+               max_total_len=spec.max_total_len, routed_dp_rank=spec.routed_dp_rank, cache_ns=cache_namespace(spec.cache_salt),
                prompt_logprob_start=spec.prompt_logprob_start)
 
 

@@ -229,7 +229,7 @@ class ProcessClient:
         for rank in dead_ranks:
             p = self._procs[rank]
             p.join(timeout=1.0)
-            parts.append(f"engine rank {rank} exited with code {p.exitcode}" if self.dp_size > 1
+            parts.append(f"DP rank {rank} died (exit code {p.exitcode})" if self.dp_size > 1
                          else f"engine process exited with code {p.exitcode}")
         if fatal:
             parts.append(fatal[0].strip().splitlines()[-1])
@@ -367,7 +367,7 @@ class ProcessClient:
             s.close()
         for p in self._procs:
             p.close()
-        self._ctx.term()
+        self._ctx.destroy(linger=0)   # NOTE: not term(): it would wait for any socket left open
         self._dir.close()
 
 

@@ -9,7 +9,6 @@ from the prompt's.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import itertools
 import random
 import uuid
@@ -25,15 +24,6 @@ from rollout.tokenizer import Tokenizer
 
 MAX_TOP_LOGPROBS = 64
 ParamsArg = Union[None, dict, SamplingParams, Sequence[Union[dict, SamplingParams]]]
-
-
-def cache_namespace(salt: Optional[str]) -> int:
-    """The prefix-cache namespace of a cache_salt: 0 (shared) for None, else a 64-bit hash shifted
-    above every token id, so keys of different salts never compare equal."""
-    if salt is None:
-        return 0
-    digest = hashlib.blake2b(salt.encode("utf-8", "surrogatepass"), digest_size=8).digest()
-    return (int.from_bytes(digest, "little") | 1) << 32
 
 
 def derive_seed(seed: int, index: int) -> int:
@@ -181,7 +171,7 @@ class RequestBuilder:
                                seed=derive_seed(seed, k), return_logprob=lp, top_logprobs_num=top,
                                return_routed_experts=route, routed_experts_start_len=start,
                                emit_interval=st.emit_interval, max_total_len=self.context_length,
-                               routed_dp_rank=dp_rank, cache_ns=cache_namespace(salt),
+                               routed_dp_rank=dp_rank, cache_salt=salt,
                                prompt_logprob_start=lp_start)
                 group.append((spec, st))
             groups.append(group)

@@ -27,7 +27,7 @@ class ReqSpec(msgspec.Struct, kw_only=True, array_like=True):
     emit_interval: int                   # 0: one update when finished; k: deltas every k tokens
     max_total_len: int
     routed_dp_rank: Optional[int] = None
-    cache_ns: int = 0                    # prefix-cache namespace (cache_salt): 0 = shared
+    cache_salt: Optional[str] = None     # prefix-cache isolation (cache_salt / extra_key): None = shared
     prompt_logprob_start: int = -1       # logprob_start_len for prompt logprobs (-1: none)
 
 
