@@ -20,13 +20,16 @@ setup(
         "httpx>=0.27",
         "pyyaml>=6.0",
         "tqdm>=4.66",
+        "pyzmq>=25",          # front end <-> engine process messages (rollout/ipc/)
+        "msgspec>=0.18",      # their typed msgpack encoding
+        "pydantic>=2",        # the server's request models (/openapi.json)
     ],
     extras_require={
         "train": ["deepspeed>=0.15", "datasets>=2.19", "wandb>=0.17"],
         "gpu": ["flashinfer-python>=0.2", "triton>=3.0"],
         # NOTE: triton in dev too: CI proves the kernels on CPU under its interpreter (Linux wheels only)
-        "dev": ["pytest>=8", "hypothesis>=6.100", "pytest-timeout>=2.3", "openai>=1.30",
-                "triton>=3.0; platform_system == 'Linux'"],
+        "dev": ["pytest>=8", "hypothesis>=6.100", "pytest-timeout>=2.3", "openai>=1.30", "psutil>=5.9",
+                "schemathesis>=4", "triton>=3.0; platform_system == 'Linux'"],
     },
     entry_points={"console_scripts": ["rollout-serve=rollout.server:main"]},
 )
