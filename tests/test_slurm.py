@@ -96,6 +96,21 @@ def _finish(slurm: LocalSlurm, job: int, out: Path) -> str:
     return text
 
 
+def _serve_until_cancelled(slurm: LocalSlurm, job_dir: Path, out: Path) -> tuple[int, str]:
+    """Submits rollout.sbatch without a client command (it serves until cancelled); (job, server URL)."""
+    job = slurm.sbatch(str(ROOT / "scripts/slurm/rollout.sbatch"), "--nodes=1", f"--output={out}",
+                       cwd=str(ROOT), env=_env(job_dir))
+    servers_file = job_dir / "servers.txt"
+    deadline = time.monotonic() + JOB_TIMEOUT
+    while not servers_file.exists():
+        assert time.monotonic() < deadline, out.read_text() if out.exists() else "no output"
+        state, _ = slurm.job_state(job)
+        assert state in ("PENDING", "RUNNING", "CONFIGURING"), f"{state}: {out.read_text()}"
+        time.sleep(0.5)
+    (url,) = servers_file.read_text().split()
+    return job, url
+
+
 def _assert_nothing_left(job: int) -> None:
     deadline = time.monotonic() + 30
     while (left := job_processes(job)) and time.monotonic() < deadline:
@@ -138,16 +153,7 @@ def test_rollout_sbatch_two_servers_per_node_with_gpu_slices(slurm, tmp_path):
 def test_rollout_sbatch_scancel_stops_everything(slurm, tmp_path):
     """No client command: the job serves until cancelled; scancel stops every process."""
     job_dir, out = tmp_path / "job", tmp_path / "rollout.out"
-    job = slurm.sbatch(str(ROOT / "scripts/slurm/rollout.sbatch"), "--nodes=1", f"--output={out}",
-                       cwd=str(ROOT), env=_env(job_dir))
-    servers_file = job_dir / "servers.txt"
-    deadline = time.monotonic() + JOB_TIMEOUT
-    while not servers_file.exists():
-        assert time.monotonic() < deadline, out.read_text() if out.exists() else "no output"
-        state, _ = slurm.job_state(job)
-        assert state in ("PENDING", "RUNNING", "CONFIGURING"), f"{state}: {out.read_text()}"
-        time.sleep(0.5)
-    (url,) = servers_file.read_text().split()
+    job, url = _serve_until_cancelled(slurm, job_dir, out)
     r = httpx.post(url + "/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 2},
                                             "return_routed_experts": True}, timeout=60)
     assert r.status_code == 200 and r.json()["meta_info"]["routed_experts"]
@@ -244,14 +250,7 @@ def test_rollout_sbatch_restarts_a_server_whose_engine_died(slurm, tmp_path):
     """kill -9 of a server's engine process: rollout-serve exits non-zero, its task starts it again
     on the same port, and the URL in the server list serves again; scancel still stops everything."""
     job_dir, out = tmp_path / "job", tmp_path / "rollout.out"
-    job = slurm.sbatch(str(ROOT / "scripts/slurm/rollout.sbatch"), "--nodes=1", f"--output={out}",
-                       cwd=str(ROOT), env=_env(job_dir))
-    servers_file = job_dir / "servers.txt"
-    deadline = time.monotonic() + JOB_TIMEOUT
-    while not servers_file.exists():
-        assert time.monotonic() < deadline, out.read_text() if out.exists() else "no output"
-        time.sleep(0.5)
-    (url,) = servers_file.read_text().split()
+    job, url = _serve_until_cancelled(slurm, job_dir, out)
     engines = [int(p.split(":", 1)[0]) for p in job_processes(job) if "rollout.core.engine_proc" in p]
     assert len(engines) == 1, job_processes(job)
     os.kill(engines[0], 9)
