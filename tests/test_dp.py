@@ -139,7 +139,6 @@ def test_dp3_mixed_runners_and_least_load_dispatch(qwen3, dp1):
     assert_same(outs, generate(dp1, long_ + short, params), qwen3)
     assert_same(outs_n, generate(dp1, group, sampled), qwen3)
     assert all(s.token_counts[2] == 0 for s in steps)
-    assert any(s.runner == EAGER and s.token_counts[:2] == (24, 24) for s in steps)
     # NOTE: which step picks up which rank's requests is timing (each rank's loop drains its own
     # inbox), so no exact mixed composition is asserted; the ranks agree on every step (layouts())
     assert {s.runner for s in steps} == {DECODE, PREFILL, EAGER}
