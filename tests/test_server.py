@@ -274,6 +274,14 @@ def test_client_disconnect_aborts(client, admin):
 
 @pytest.mark.parametrize("mode", ["in_place", "retract", "abort"])
 def test_pause_then_continue(client, admin, ref, shape, mode):
+    try:
+        _pause_then_continue(client, admin, ref, shape, mode)
+    finally:   # NOTE: never leave the module's shared server paused (or busy) for the next tests
+        admin.post("/continue_generation")
+        admin.post("/abort_request", json={"abort_all": True})
+
+
+def _pause_then_continue(client, admin, ref, shape, mode):
     prompt = prompts(5, [12])[0]
     n_new = 1500  # NOTE: long enough that the request is still running when the pause lands
     body = {"input_ids": prompt, "sampling_params": {**GREEDY, "max_new_tokens": n_new}, "return_logprob": True,
