@@ -449,16 +449,6 @@ class Rollout:
         return self._client.dead_reason is None and not self._stopping
 
     @property
-    def last_step_time(self) -> float:
-        """time.time() of the engine's latest finished step."""
-        return self._client.last_step_time
-
-    @property
-    def busy(self) -> bool:
-        """Whether the engine had work after its latest step."""
-        return self._client.busy
-
-    @property
     def steps_done(self) -> int:
         """Engine steps finished (reported after every step)."""
         return self._client.steps_done

@@ -362,8 +362,7 @@ class EngineCore:
         """Appends what req gained since its previous update (tokens, logprobs, final routing rows)."""
         lo = req.sent_tokens
         upd = ReqUpdate(uid=req.uid, output_ids=ints(req.output_ids[lo:]), cached_tokens=req.cached_tokens,
-                        num_retractions=req.num_retractions, weight_version=self.weight_version,
-                        kv_computed=req.kv_len)
+                        num_retractions=req.num_retractions, weight_version=self.weight_version)
         if req.return_logprob:
             upd.logprobs = floats(req.output_logprobs[lo:])
         if req.top_logprobs_num:

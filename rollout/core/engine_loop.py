@@ -8,7 +8,6 @@ an empty forward.
 from __future__ import annotations
 
 import logging
-import time
 from typing import Any, Callable, Optional, Protocol
 
 import numpy as np
@@ -154,7 +153,6 @@ class EngineLoop:
         self.alive = alive     # False once the front end is gone (the loop then exits)
         self.commands = EngineCommands(core)
         self.stopping = False
-        self.last_step_time = time.time()
         self.steps = 0
 
     def _handle(self, msg: ToEngine, replies: list[Reply]) -> None:
@@ -204,7 +202,6 @@ class EngineLoop:
             if work:
                 core.step()
                 self.steps += 1
-                self.last_step_time = time.time()
             self._send(replies, stepped=work)
             if sync is None and not work and not self.alive():
                 return
@@ -214,5 +211,4 @@ class EngineLoop:
         lives), or when a call needs its reply."""
         updates = self.core.take_updates()
         if updates or replies or stepped:
-            self.endpoint.send(StepOut(updates=updates, replies=replies, has_work=self.core.has_work(),
-                                       step_time=self.last_step_time, steps=self.steps))
+            self.endpoint.send(StepOut(updates=updates, replies=replies, steps=self.steps))

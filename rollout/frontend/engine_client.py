@@ -39,16 +39,8 @@ class EngineClient(Protocol):
         """Why the engine is dead, or None while it lives."""
 
     @property
-    def last_step_time(self) -> float:
-        """time.time() of the latest finished step (any rank)."""
-
-    @property
     def steps_done(self) -> int:
         """Steps the engine finished (reported after every step)."""
-
-    @property
-    def busy(self) -> bool:
-        """Whether any rank reported work after its latest step."""
 
     def pids(self) -> list[int]:
         """The engine processes' pids (empty for an in-process engine)."""

@@ -10,7 +10,6 @@ import itertools
 import logging
 import queue
 import threading
-import time
 from concurrent.futures import Future
 from typing import Any, Callable, Optional
 
@@ -53,8 +52,6 @@ class InprocClient:
         self._dead: Optional[str] = None
         self._calls: dict[int, Future] = {}
         self._call_ids = itertools.count(1)
-        self._busy = False
-        self._step_time = time.time()
         self.steps_done = 0
         self._endpoint = _QueueEndpoint(self)
         ready: Future = Future()
@@ -83,8 +80,6 @@ class InprocClient:
         self._die("engine is shut down")
 
     def _absorb(self, msg: StepOut) -> None:
-        self._busy = msg.has_work
-        self._step_time = msg.step_time
         self.steps_done = msg.steps
         if msg.updates:
             self._on_updates(msg.updates)
@@ -111,14 +106,6 @@ class InprocClient:
     def dead_reason(self) -> Optional[str]:
         return self._dead
 
-    @property
-    def last_step_time(self) -> float:
-        return self._step_time
-
-    @property
-    def busy(self) -> bool:
-        return self._busy
-
     def pids(self) -> list[int]:
         return []
 
@@ -128,7 +115,6 @@ class InprocClient:
 
     def add(self, groups: list[list[ReqSpec]]) -> None:
         self._check()
-        self._busy = True
         self._endpoint.inbox.put(AddReqs([spec for specs in groups for spec in specs]))
 
     def abort(self, uids: list[int], message: str = "aborted by request") -> None:

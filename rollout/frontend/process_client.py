@@ -94,12 +94,10 @@ class ProcessClient:
         self._on_dead = on_dead
         self._dead: Optional[str] = None
         self._lock = threading.Lock()
-        self._calls: dict[int, tuple[list[Optional[Future]], int]] = {}
+        self._calls: dict[int, list[Future]] = {}       # call id -> one future per rank
         self._call_ids = itertools.count(1)
         self._owner: dict[int, int] = {}                 # uid -> rank
         self._load = [0] * self.dp_size
-        self._busy = [False] * self.dp_size
-        self._step_time = [time.time()] * self.dp_size
         self._steps = [0] * self.dp_size
         self._closed = False
         self._ctx = zmq.Context()
@@ -197,8 +195,6 @@ class ProcessClient:
             self._die([], [f"engine client receiver failed: {exc!r}"])
 
     def _absorb(self, rank: int, msg: StepOut) -> None:
-        self._busy[rank] = msg.has_work
-        self._step_time[rank] = msg.step_time
         self._steps[rank] = msg.steps
         if msg.updates:
             with self._lock:
@@ -210,12 +206,11 @@ class ProcessClient:
             self._on_updates(msg.updates)
         for reply in msg.replies:
             with self._lock:
-                entry = self._calls.get(reply.call_id)
-            if entry is None:
+                futures = self._calls.get(reply.call_id)
+            if futures is None:
                 continue
-            futures, _ = entry
             fut = futures[rank]
-            if fut is not None and not fut.done():
+            if not fut.done():
                 if reply.error is not None:
                     try:
                         raise_reply(reply.error, reply.error_type)
@@ -239,9 +234,9 @@ class ProcessClient:
                 return
             self._dead = reason
             calls = list(self._calls.values())
-        for futures, _ in calls:
+        for futures in calls:
             for fut in futures:
-                if fut is not None and not fut.done():
+                if not fut.done():
                     fut.set_exception(EngineDeadError(reason))
         self._on_dead(reason)
         threading.Thread(target=self._stop_procs, daemon=True).start()
@@ -258,14 +253,6 @@ class ProcessClient:
         if self._dead is None and any(p.exitcode is not None for p in self._procs):
             return self._dead_ranks_text() or "an engine rank exited"
         return self._dead
-
-    @property
-    def last_step_time(self) -> float:
-        return max(self._step_time)
-
-    @property
-    def busy(self) -> bool:
-        return any(self._busy)
 
     @property
     def steps_done(self) -> int:
@@ -294,7 +281,6 @@ class ProcessClient:
                 for spec in specs:
                     self._owner[spec.uid] = rank
                 self._load[rank] += len(specs)
-                self._busy[rank] = True
                 by_rank.setdefault(rank, []).extend(specs)
         for rank, specs in by_rank.items():
             self._send(rank, AddReqs(specs))
@@ -314,9 +300,9 @@ class ProcessClient:
     def call(self, method: str, *args: Any) -> list[Any]:
         self._check()
         call_id = next(self._call_ids)
-        futures: list[Optional[Future]] = [Future() for _ in range(self.dp_size)]
+        futures = [Future() for _ in range(self.dp_size)]
         with self._lock:
-            self._calls[call_id] = (futures, 0)
+            self._calls[call_id] = futures
         try:
             self._check()
             for rank in range(self.dp_size):

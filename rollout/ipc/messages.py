@@ -71,7 +71,6 @@ class ReqUpdate(msgspec.Struct, kw_only=True, array_like=True, omit_defaults=Tru
     cached_tokens: int = 0
     num_retractions: int = 0
     weight_version: str = ""
-    kv_computed: int = 0                 # positions whose KV (and routing) exists
     input_logprobs: Optional[bytes] = None      # float32, prompt tokens start+1 .. (final update only)
     input_top_ids: Optional[bytes] = None       # int32 [prompt tokens, top_n]
     input_top_logprobs: Optional[bytes] = None  # float32 [prompt tokens, top_n]
@@ -91,8 +90,6 @@ class Ready(msgspec.Struct, tag=True, array_like=True):
 class StepOut(msgspec.Struct, tag=True, array_like=True, omit_defaults=True):
     updates: list[ReqUpdate] = []
     replies: list[Reply] = []
-    has_work: bool = False
-    step_time: float = 0.0               # wall clock of the last finished step (time.time())
     steps: int = 0                       # steps this rank finished so far
 
 
