@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Optional
 
 SLURM_BINARIES = ("slurmctld", "slurmd", "sbatch", "squeue", "sacct", "scontrol", "srun", "munged")
+_RENDEZVOUS_VARS = frozenset({"MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"})
 
 
 class SlurmUnavailable(RuntimeError):
@@ -58,7 +59,11 @@ class LocalSlurm:
     # ---- environment for clients (sbatch, squeue, srun inside jobs) -----------------------------
     @property
     def env(self) -> dict[str, str]:
-        return dict(os.environ, SLURM_CONF=str(self.conf))
+        """The test runner's environment, less the torch.distributed rendezvous variables an in-process
+        trainer test may have set (sbatch exports the submitter's environment into the job, and a
+        leftover MASTER_PORT would name a port this very process still listens on)."""
+        env = {k: v for k, v in os.environ.items() if k not in _RENDEZVOUS_VARS}
+        return dict(env, SLURM_CONF=str(self.conf))
 
     def _sbin(self, name: str) -> str:
         return shutil.which(name) or f"/usr/sbin/{name}"
