@@ -29,7 +29,7 @@ from capture.buffer_sizing import ForwardShapeLimits, capture_buffer_rows
 from rollout.config import EngineConfig
 
 TOP_LEVEL_KEYS = ("engine", "model_shape")
-DEFAULT_KV_CACHE_BYTES = 512 * 2**20   # mirrors rollout/engine_core.py
+DEFAULT_KV_CACHE_BYTES = 512 * 2**20   # mirrors rollout/core/engine_core.py
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 _PATH_FIELDS = ("model_path", "tokenizer_path", "profile_graph_capture_dir")
 

@@ -27,9 +27,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from rollout import Rollout  # noqa: E402
 from rollout.config import DEFAULT_MODEL_PATH, EngineConfig  # noqa: E402
-from rollout.engine_core import EngineCore  # noqa: E402
-from rollout.forward_batch import ForwardBatch  # noqa: E402
-from rollout.request import Req  # noqa: E402
+from rollout.core.engine_core import EngineCore  # noqa: E402
+from rollout.exec.forward_batch import ForwardBatch  # noqa: E402
+from rollout.core.request import Req  # noqa: E402
 from rollout.sampling_params import SamplingParams  # noqa: E402
 
 

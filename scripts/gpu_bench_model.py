@@ -20,12 +20,12 @@ from unittest import mock
 import torch
 from torch import nn
 
-import rollout.engine_core as engine_core_module
+import rollout.core.engine_core as engine_core_module
 from rollout.config import DEFAULT_MODEL_PATH, EngineConfig
-from rollout.engine_core import EngineCore
+from rollout.core.engine_core import EngineCore
 from rollout.models.loader import resolve
 from rollout.models.registry import model_class
-from rollout.request import Req
+from rollout.core.request import Req
 from rollout.sampling_params import SamplingParams
 
 HBM_BYTES_PER_S = 4.8e12   # H200

@@ -5,8 +5,8 @@ from typing import Optional, Sequence
 
 import torch
 
-from rollout.forward_batch import ForwardBatch
-from rollout.kv_pool import KVPool
+from rollout.exec.forward_batch import ForwardBatch
+from rollout.core.kv_pool import KVPool
 from rollout.models.attention import PagedAttention
 
 

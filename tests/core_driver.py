@@ -2,10 +2,10 @@
 the same RequestState the front end uses to assemble the engine's updates."""
 from __future__ import annotations
 
-from rollout.engine_core import EngineCore
+from rollout.core.engine_core import EngineCore
 from rollout.frontend.request_state import RequestState, RoutingShape
 from rollout.output import RolloutOutput
-from rollout.request import Req
+from rollout.core.request import Req
 
 
 class CoreDriver:

@@ -12,7 +12,7 @@ import torch
 from rollout import Rollout
 from rollout.config import EngineConfig
 from rollout.models.attention_backend import check_attention_backend
-from rollout.server_args import ServerArgs
+from rollout.server.args import ServerArgs
 from tiny_models import random_prompts as prompts
 
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
@@ -46,7 +46,7 @@ def test_flag():
 
 
 def test_package_import_loads_neither_triton_nor_flashinfer():
-    code = ("import sys, rollout, rollout.engine_core, rollout.server; "
+    code = ("import sys, rollout, rollout.core.engine_core, rollout.server.app; "
             "print(sorted(m for m in ('triton', 'flashinfer') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"

@@ -13,7 +13,7 @@ from capture.buffer_sizing import capture_buffer_rows
 from rollout.config import EngineConfig
 from rollout.config_file import (ConfigFileError, implied_sizes, load_engine_config, load_engine_config_file,
                                  serve_flags)
-from rollout.server_args import ServerArgs
+from rollout.server.args import ServerArgs
 
 ROOT = Path(__file__).resolve().parent.parent
 PRESETS = sorted((ROOT / "configs" / "engine").glob("*.yaml"))
@@ -39,7 +39,7 @@ def test_presets_load_and_round_trip_through_serve_flags(path):
 
 def test_tiny_preset_sizes_match_a_real_engine():
     """--show's numbers are the ones a running engine allocates (same ForwardShapeLimits)."""
-    from rollout.engine_core import EngineCore
+    from rollout.core.engine_core import EngineCore
 
     cf = load_engine_config_file(str(ROOT / "configs/engine/tiny-moe.yaml"))
     sizes = implied_sizes(cf)

@@ -11,11 +11,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from oracle import hf_greedy, hf_model
-from rollout.forward_batch import ForwardBatch
-from rollout.kv_pool import KVPool
+from rollout.exec.forward_batch import ForwardBatch
+from rollout.core.kv_pool import KVPool
 from rollout.models import load_model
 from rollout.models.topk import grouped_sigmoid_topk
-from rollout.runners.piecewise_backend import PiecewiseBackend
+from rollout.exec.runners.piecewise_backend import PiecewiseBackend
 from tiny_models import GROUPED_ARCHS, make_engine, random_prompts
 
 GREEDY = {"temperature": 0.0, "max_new_tokens": 10, "ignore_eos": True}

@@ -2,8 +2,8 @@
 import random
 
 from rollout.config import DEFAULT_MODEL_PATH, EngineConfig
-from rollout.engine_core import EngineCore
-from rollout.request import Req
+from rollout.core.engine_core import EngineCore
+from rollout.core.request import Req
 from rollout.sampling_params import SamplingParams
 from core_driver import CoreDriver
 

@@ -11,8 +11,8 @@ import torch
 
 from rollout import Rollout
 from rollout.config import MOE_BACKENDS, EngineConfig
-from rollout.runners import DECODE, EAGER, PREFILL
-from rollout.server_args import ServerArgs
+from rollout.exec.runners import DECODE, EAGER, PREFILL
+from rollout.server.args import ServerArgs
 from tiny_models import random_prompts
 
 GREEDY = {"temperature": 0.0, "max_new_tokens": 5, "ignore_eos": True}

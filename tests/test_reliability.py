@@ -14,8 +14,8 @@ from core_driver import CoreDriver
 from reliability_server import (ADMIN_KEY, GREEDY, admin, assert_idle_and_clean, check_routing,  # noqa: F401
                                 generate_all, prompts, server, shape)
 from rollout.config import DEFAULT_MODEL_PATH, EngineConfig
-from rollout.engine_core import ABORT_BEFORE_PREFILL, EngineCore
-from rollout.request import Req
+from rollout.core.engine_core import ABORT_BEFORE_PREFILL, EngineCore
+from rollout.core.request import Req
 from rollout.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.timeout(600)

@@ -15,19 +15,19 @@ from capture.capturer import RoutedExpertsCapturer
 from capture.gather_layout import GatherLayout
 from oracle import hf_router_topk, same_sets
 from rollout.config import DEFAULT_MODEL_PATH, EngineConfig
-from rollout.engine_core import EngineCore
-from rollout.kv_pool import SINK_SLOT, KVPool
-from rollout.model_runner import ModelRunner
+from rollout.core.engine_core import EngineCore
+from rollout.core.kv_pool import SINK_SLOT, KVPool
+from rollout.exec.model_runner import ModelRunner
 from capture.device_buffer import RoutedExpertsBuffer
-from rollout.forward_batch import ForwardBatch
+from rollout.exec.forward_batch import ForwardBatch
 from rollout.models import load_model
 from rollout.models.moe import FusedExperts
-from rollout.runners.piecewise_backend import PiecewiseBackend
-from rollout.radix_cache import RadixCache
-from rollout.request import Req, ReqState
-from rollout.runners import DECODE, EAGER, PREFILL, RankShape, RunnerPlan
+from rollout.exec.runners.piecewise_backend import PiecewiseBackend
+from rollout.core.radix_cache import RadixCache
+from rollout.core.request import Req, ReqState
+from rollout.exec.runners import DECODE, EAGER, PREFILL, RankShape, RunnerPlan
 from rollout.sampling_params import SamplingParams
-from rollout.scheduler import Scheduler
+from rollout.core.scheduler import Scheduler
 from tiny_models import make_engine, random_prompts as prompts
 
 GREEDY = {"temperature": 0.0, "max_new_tokens": 10, "ignore_eos": True}

@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from rollout.sampler import counter_uniform, sample
+from rollout.exec.sampler import counter_uniform, sample
 from rollout.sampling_params import SamplingParams
 
 

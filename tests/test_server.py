@@ -501,7 +501,7 @@ def test_dp2_server_routing_loads_and_updates():
 
 
 def test_server_args_cli():
-    from rollout.server_args import ServerArgs
+    from rollout.server.args import ServerArgs
 
     a = ServerArgs.from_cli(["--port", "0", "--chunked-prefill-size", "-1", "--disable-prefix-caching",
                              "--decode-graph-batch-sizes", "1", "4", "--allowed-weight-dirs", "/tmp/x/../y",

@@ -1,1 +1,2 @@
-"""The engine process: its loop over EngineCore and the commands it answers."""
+"""The engine process: EngineCore (scheduler, KV pool, prefix cache, capture), its loop and the
+commands it answers."""

@@ -13,9 +13,9 @@ from typing import Any, Callable, Optional, Protocol
 import numpy as np
 import torch
 
-from rollout.engine_core import EngineCore
+from rollout.core.engine_core import EngineCore
 from rollout.ipc.messages import AbortReqs, AddReqs, Call, FromEngine, Reply, ReqSpec, Shutdown, StepOut, ToEngine
-from rollout.request import Req, cache_namespace
+from rollout.core.request import Req, cache_namespace
 from rollout.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)

@@ -19,7 +19,7 @@ import torch
 
 from rollout.config import EngineConfig
 from rollout.core.engine_loop import EngineLoop, StepSync
-from rollout.engine_core import EngineCore
+from rollout.core.engine_core import EngineCore
 from rollout.ipc.messages import Fatal, Ready, StepOut
 from rollout.ipc.transport import EngineSockets
 

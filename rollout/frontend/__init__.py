@@ -1,1 +1,2 @@
-"""The front end: the Python API's engine clients and the per-request state they feed."""
+"""The front end: the Python API (`Rollout`), its engine clients and the per-request state they
+feed (tokenization, detokenization, stop strings)."""

@@ -13,10 +13,10 @@ from typing import Any, Callable, Optional
 import numpy as np
 import torch
 
-from rollout.detokenizer import IncrementalDetokenizer
+from rollout.frontend.detokenizer import IncrementalDetokenizer
 from rollout.ipc.messages import ReqUpdate, float_list, int_list
 from rollout.output import RolloutOutput
-from rollout.request import FinishReason
+from rollout.core.request import FinishReason
 from rollout.sampling_params import SamplingParams
 from rollout.stream_chunk import StreamChunk
 

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rollout.forward_batch import ForwardBatch
+from rollout.exec.forward_batch import ForwardBatch
 
 
 class PagedAttention(nn.Module):

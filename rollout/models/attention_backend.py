@@ -18,8 +18,8 @@ from typing import Any, Optional
 import torch
 
 from rollout.config import ATTENTION_BACKENDS
-from rollout.forward_batch import ForwardBatch
-from rollout.paged_kv_metadata import paged_kv_metadata
+from rollout.exec.forward_batch import ForwardBatch
+from rollout.exec.paged_kv_metadata import paged_kv_metadata
 
 
 def flashinfer_importable() -> bool:
@@ -76,7 +76,7 @@ class TritonAttentionBackend:
 
     def attend(self, attn: Any, q: torch.Tensor, fb: ForwardBatch, attn_mask: Optional[torch.Tensor]) -> torch.Tensor:
         """attn: the layer's PagedAttention; attn_mask given only for sliding-window layers."""
-        from rollout.cascade_attention_kernel import cascade_decode_attention  # noqa: PLC0415
+        from rollout.exec.cascade_attention_kernel import cascade_decode_attention  # noqa: PLC0415
         from rollout.models.decode_attention_kernel import decode_attention  # noqa: PLC0415
         from rollout.models.extend_attention_kernel import extend_attention  # noqa: PLC0415
 

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rollout.forward_batch import ForwardBatch
+from rollout.exec.forward_batch import ForwardBatch
 from rollout.models.attention import PagedAttention
 from rollout.models.decoder import DecoderLayer
 from rollout.models.layers import RMSNorm, RotaryEmbedding

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rollout.forward_batch import ForwardBatch
+from rollout.exec.forward_batch import ForwardBatch
 
 
 class LatentAttention(nn.Module):

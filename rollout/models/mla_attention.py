@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from rollout.forward_batch import ForwardBatch
+from rollout.exec.forward_batch import ForwardBatch
 from rollout.models.latent_attention import LatentAttention
 from rollout.models.layers import RMSNorm, RotaryEmbedding
 from rollout.models.spec import ModelSpec

@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rollout.config import MOE_BACKENDS
-from rollout.forward_batch import ForwardBatch
+from rollout.exec.forward_batch import ForwardBatch
 from rollout.models.layers import GatedMLP
 from rollout.models.topk import softmax_topk
 

@@ -25,8 +25,8 @@ from typing import Callable, Hashable, Optional
 import torch
 from torch.profiler import record_function
 
-from rollout.forward_batch import ForwardBatch
-from rollout.runners.graph_backend import GraphMemoryPool, variant_label
+from rollout.exec.forward_batch import ForwardBatch
+from rollout.exec.runners.graph_backend import GraphMemoryPool, variant_label
 
 
 class PiecewiseBackend:

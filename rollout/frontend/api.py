@@ -348,7 +348,7 @@ class Rollout:
     def release_memory_occupation(self, tags: Any = None) -> list[str]:
         """Frees the KV pool ("kv_cache") and/or the weights' storage ("weights"; kept in a temporary
         file) for a colocated trainer; tags None: both. Returns the tags released now."""
-        from rollout.memory_saver import parse_tags  # noqa: PLC0415
+        from rollout.core.memory_saver import parse_tags  # noqa: PLC0415
 
         if self.config.dp_size > 1:
             raise ValueError("release_memory_occupation is not supported with dp_size > 1")
@@ -356,7 +356,7 @@ class Rollout:
         return self._call(lambda core: core.release_memory(parsed))
 
     def resume_memory_occupation(self, tags: Any = None) -> list[str]:
-        from rollout.memory_saver import parse_tags  # noqa: PLC0415
+        from rollout.core.memory_saver import parse_tags  # noqa: PLC0415
 
         parsed = parse_tags(tags)
         return self._call(lambda core: core.resume_memory(parsed)) if self.config.dp_size == 1 else []
@@ -375,7 +375,7 @@ class Rollout:
     def release_memory_occupation(self, tags: Any = None) -> list[str]:
         """Frees the KV pool ("kv_cache") and/or the weights' storage ("weights"; kept in a temporary
         file) for a colocated trainer; tags None: both. Returns the tags released now."""
-        from rollout.memory_saver import parse_tags  # noqa: PLC0415
+        from rollout.core.memory_saver import parse_tags  # noqa: PLC0415
 
         if self.config.dp_size > 1:
             raise ValueError("release_memory_occupation is not supported with dp_size > 1")
@@ -384,7 +384,7 @@ class Rollout:
         return released
 
     def resume_memory_occupation(self, tags: Any = None) -> list[str]:
-        from rollout.memory_saver import parse_tags  # noqa: PLC0415
+        from rollout.core.memory_saver import parse_tags  # noqa: PLC0415
 
         if self.config.dp_size > 1:
             return []

@@ -11,9 +11,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, AsyncIterator, Callable
 
-from rollout.engine import EngineDeadError
-from rollout.generate_request import GenerateCall
-from rollout.openai_api import EngineStream, error_body, sse
+from rollout.frontend.api import EngineDeadError
+from rollout.server.generate_request import GenerateCall
+from rollout.server.openai_api import EngineStream, error_body, sse
 from rollout.stream_chunk import StreamChunk
 
 

@@ -3,9 +3,9 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from rollout.runners.runner_plan import DECODE
-from rollout.runners.static_inputs import StaticInputs
-from rollout.runners.static_shape_runner import StaticShapeRunner
+from rollout.exec.runners.runner_plan import DECODE
+from rollout.exec.runners.static_inputs import StaticInputs
+from rollout.exec.runners.static_shape_runner import StaticShapeRunner
 
 
 class DecodeGraphRunner(StaticShapeRunner):

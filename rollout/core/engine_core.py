@@ -16,19 +16,19 @@ import torch
 from capture.buffer_sizing import ForwardShapeLimits, capture_buffer_rows
 from capture.capturer import RoutedExpertsCapturer
 from rollout.config import EngineConfig
-from rollout.host_malloc import tune_glibc_malloc
-from rollout.kv_pool import KVPool
+from rollout.core.host_malloc import tune_glibc_malloc
+from rollout.core.kv_pool import KVPool
 from rollout.ipc.messages import ReqUpdate, floats, ints
-from rollout.model_runner import ModelRunner
+from rollout.exec.model_runner import ModelRunner
 from rollout.models.attention_backend import make_attention_backend
 from rollout.models.moe import FusedExperts, set_moe_backend
 from rollout.models.registry import load_model
-from rollout.radix_cache import RadixCache
-from rollout.runners.capture_profiler import GraphCaptureProfiler
-from rollout.runners.runner_plan import RunnerPlan
-from rollout.request import FinishReason, Req, ReqState
-from rollout.sampler import sample
-from rollout.scheduler import Scheduler
+from rollout.core.radix_cache import RadixCache
+from rollout.exec.runners.capture_profiler import GraphCaptureProfiler
+from rollout.exec.runners.runner_plan import RunnerPlan
+from rollout.core.request import FinishReason, Req, ReqState
+from rollout.exec.sampler import sample
+from rollout.core.scheduler import Scheduler
 from rollout.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -487,7 +487,7 @@ class EngineCore:
         return self._memory_saver.released if self._memory_saver is not None else ()
 
     def release_memory(self, tags: tuple[str, ...]) -> list[str]:
-        from rollout.memory_saver import MemorySaver  # noqa: PLC0415
+        from rollout.core.memory_saver import MemorySaver  # noqa: PLC0415
 
         if self._memory_saver is None:
             self._memory_saver = MemorySaver(self)

@@ -9,7 +9,7 @@ from __future__ import annotations
 from itertools import chain
 from typing import Iterator
 
-from rollout.request import Req
+from rollout.core.request import Req
 
 
 class WaitQueue:

@@ -28,21 +28,21 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 from starlette.responses import Response
 
-from rollout.engine import EngineDeadError, Rollout
+from rollout.frontend.api import EngineDeadError, Rollout
 from rollout.frontend.engine_client import RidInFlightError
-from rollout.control_routes import add_control_routes
-from rollout.generate_request import ERROR_PARAMS, GenerateCall, as_response
-from rollout.generate_stream import GenerateStream
-from rollout.health import GenerateHealth
-from rollout.ignored_fields import IgnoredFields
-from rollout.openai_api import (ApiError, ClientGone, EngineStream, OpenAIServing, SSEResponse, error_body,
+from rollout.server.control_routes import add_control_routes
+from rollout.server.generate_request import ERROR_PARAMS, GenerateCall, as_response
+from rollout.server.generate_stream import GenerateStream
+from rollout.server.health import GenerateHealth
+from rollout.server.ignored_fields import IgnoredFields
+from rollout.server.openai_api import (ApiError, ClientGone, EngineStream, OpenAIServing, SSEResponse, error_body,
                                 json_response, param_of)
 from rollout.output import RolloutOutput
-from rollout.server_args import ServerArgs
-from rollout.request_models import install_openapi
-from rollout.server_info import VERSION, ServerInfo
-from rollout.unicode_check import body_may_hold_surrogates, invalid_unicode_field
-from rollout.weight_updater import WeightUpdateError, WeightUpdater
+from rollout.server.args import ServerArgs
+from rollout.server.request_models import install_openapi
+from rollout.server.server_info import VERSION, ServerInfo
+from rollout.server.unicode_check import body_may_hold_surrogates, invalid_unicode_field
+from rollout.server.weight_updater import WeightUpdateError, WeightUpdater
 
 logger = logging.getLogger("rollout.server")
 VERSION = "0.1.0"

@@ -15,14 +15,14 @@ from typing import Any, Optional
 import torch
 
 from capture.gather_layout import GatherLayout
-from rollout.forward_batch import ForwardBatch
-from rollout.forward_output import ForwardOutput
-from rollout.kv_pool import KVPool
-from rollout.runners.capture_profiler import CaptureTag, GraphCaptureProfiler, Variant
-from rollout.runners.graph_backend import GraphBackend
-from rollout.runners.padded_batch import padded_forward_batch
-from rollout.runners.runner_plan import RunnerChoice
-from rollout.runners.static_inputs import StaticInputs
+from rollout.exec.forward_batch import ForwardBatch
+from rollout.exec.forward_output import ForwardOutput
+from rollout.core.kv_pool import KVPool
+from rollout.exec.runners.capture_profiler import CaptureTag, GraphCaptureProfiler, Variant
+from rollout.exec.runners.graph_backend import GraphBackend
+from rollout.exec.runners.padded_batch import padded_forward_batch
+from rollout.exec.runners.runner_plan import RunnerChoice
+from rollout.exec.runners.static_inputs import StaticInputs
 
 
 class StaticShapeRunner:

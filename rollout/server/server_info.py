@@ -7,7 +7,7 @@ import os
 import time
 from typing import Any
 
-from rollout.server_args import ServerArgs
+from rollout.server.args import ServerArgs
 
 VERSION = "0.1.0"
 

@@ -6,8 +6,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
-from rollout.ignored_fields import FieldPolicy, IgnoredFields
-from rollout.openai_api import ApiError, check_routing_format, encode_rows
+from rollout.server.ignored_fields import FieldPolicy, IgnoredFields
+from rollout.server.openai_api import ApiError, check_routing_format, encode_rows
 from rollout.output import RolloutOutput
 
 GENERATE = FieldPolicy(

@@ -16,11 +16,11 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from rollout.kv_pool import KVPool
-from rollout.radix_cache import RadixCache
-from rollout.req_to_token import ReqToTokenPool
-from rollout.request import Req, ReqState
-from rollout.wait_queue import WaitQueue
+from rollout.core.kv_pool import KVPool
+from rollout.core.radix_cache import RadixCache
+from rollout.core.req_to_token import ReqToTokenPool
+from rollout.core.request import Req, ReqState
+from rollout.core.wait_queue import WaitQueue
 
 
 MIN_SHARED_PREFIX = 8  # uncached tokens two new requests must share before one waits for the other

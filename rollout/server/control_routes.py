@@ -11,12 +11,12 @@ from fastapi import FastAPI
 from starlette.requests import Request
 from starlette.responses import Response
 
-from rollout.engine_core import EngineCore
-from rollout.generate_request import typed
-from rollout.ignored_fields import FieldPolicy, IgnoredFields
-from rollout.openai_api import ApiError, json_response
-from rollout.server_args import ServerArgs
-from rollout.weight_updater import WeightUpdateError, WeightUpdater
+from rollout.core.engine_core import EngineCore
+from rollout.server.generate_request import typed
+from rollout.server.ignored_fields import FieldPolicy, IgnoredFields
+from rollout.server.openai_api import ApiError, json_response
+from rollout.server.args import ServerArgs
+from rollout.server.weight_updater import WeightUpdateError, WeightUpdater
 
 # accepted, no effect here: the prefix cache is always flushed on a weight change (cached routing must
 # not outlive its weights); the rest are SGLang scheduling/graph knobs
@@ -164,7 +164,7 @@ def add_control_routes(app: FastAPI, *, engine: Any, args: ServerArgs, updater: 
         if args.api_key is not None and args.admin_api_key is None:
             raise WeightUpdateError("pickled tensors need --admin-api-key on a server started with --api-key",
                                     status=403)
-        from rollout.pickled_tensors import load_serialized_named_tensors  # noqa: PLC0415
+        from rollout.server.pickled_tensors import load_serialized_named_tensors  # noqa: PLC0415
 
         def run() -> dict:
             try:

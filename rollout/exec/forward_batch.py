@@ -6,9 +6,9 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from rollout.attention_segment import AttentionSegment
-from rollout.decode_cascade import DecodeCascade
-from rollout.kv_pool import SINK_SLOT, KVPool
+from rollout.exec.attention_segment import AttentionSegment
+from rollout.exec.decode_cascade import DecodeCascade
+from rollout.core.kv_pool import SINK_SLOT, KVPool
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -7,10 +7,10 @@ from typing import Any, Optional
 import torch
 
 from capture.gather_layout import GatherLayout
-from rollout.forward_output import ForwardOutput
-from rollout.kv_pool import KVPool
-from rollout.runners.padded_batch import padded_forward_batch
-from rollout.runners.runner_plan import EAGER, RunnerChoice
+from rollout.exec.forward_output import ForwardOutput
+from rollout.core.kv_pool import KVPool
+from rollout.exec.runners.padded_batch import padded_forward_batch
+from rollout.exec.runners.runner_plan import EAGER, RunnerChoice
 
 
 class EagerRunner:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from rollout.kv_pool import SINK_SLOT
+from rollout.core.kv_pool import SINK_SLOT
 
 SINK_ROW = 0
 
