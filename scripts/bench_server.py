@@ -37,6 +37,53 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import httpx  # noqa: E402
+import psutil  # noqa: E402
+
+
+class HttpClient:
+    """The load generator's HTTP client: aiohttp (as AReaL's client) or httpx (as slime's).
+
+    NOTE: the client runs on the same two cores as the server and its engine, so its CPU time is
+    taken from the engine: httpx spends about ten times aiohttp's CPU per request with a few hundred
+    requests in flight (the tables report the client's CPU seconds)."""
+
+    def __init__(self, lib: str, url: str, connections: int):
+        self.lib, self.url, self.connections = lib, url, connections + 8
+
+    async def __aenter__(self) -> "HttpClient":
+        if self.lib == "aiohttp":
+            import aiohttp  # noqa: PLC0415
+
+            self.session = aiohttp.ClientSession(self.url, connector=aiohttp.TCPConnector(limit=self.connections),
+                                                 timeout=aiohttp.ClientTimeout(total=600))
+        else:
+            limits = httpx.Limits(max_connections=self.connections, max_keepalive_connections=self.connections)
+            self.session = httpx.AsyncClient(base_url=self.url, timeout=600, limits=limits)
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await (self.session.close() if self.lib == "aiohttp" else self.session.aclose())
+
+    async def post_json(self, path: str, body: dict) -> dict:
+        if self.lib == "aiohttp":
+            async with self.session.post(path, json=body) as r:
+                r.raise_for_status()
+                return await r.json()
+        r = await self.session.post(path, json=body)
+        r.raise_for_status()
+        return r.json()
+
+    async def stream_lines(self, path: str, body: dict):
+        if self.lib == "aiohttp":
+            async with self.session.post(path, json=body) as r:
+                r.raise_for_status()
+                async for raw in r.content:
+                    yield raw.decode().rstrip("\r\n")
+            return
+        async with self.session.stream("POST", path, json=body) as r:
+            r.raise_for_status()
+            async for line in r.aiter_lines():
+                yield line
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -79,37 +126,41 @@ class Server:
         while httpx.get(self.url + "/health").status_code != 200:
             time.sleep(0.05)
 
+    def cpu_seconds(self) -> float:
+        """CPU time of the server's front-end process (HTTP, JSON, detokenization; not its engine)."""
+        t = psutil.Process(self.proc.pid).cpu_times()
+        return t.user + t.system
+
     def stop(self) -> None:
         self.proc.send_signal(signal.SIGTERM)
         self.proc.wait(30)
         os.unlink(self.log.name)
 
 
-async def server_run(url: str, prompts: list[list[list[int]]], params: dict) -> tuple[float, int, list[float]]:
+async def server_run(url: str, prompts: list[list[list[int]]], params: dict,
+                     client_lib: str = "aiohttp") -> tuple[float, int, list[float]]:
     gaps: list[float] = []
     tokens = 0
 
-    async def client(ac: httpx.AsyncClient, mine: list[list[int]]) -> None:
+    async def client(http: HttpClient, mine: list[list[int]]) -> None:
         nonlocal tokens
         for p in mine:
             body = {"input_ids": p, "sampling_params": params, "stream": True, "return_routed_experts": True,
                     "incremental_streaming_output": True}   # chunks count their own tokens
             last = None
-            async with ac.stream("POST", "/generate", json=body) as r:
-                async for line in r.aiter_lines():
-                    if not line.startswith("data: {"):
-                        continue
-                    n = len(json.loads(line[6:])["output_ids"])
-                    now = time.perf_counter()
-                    if last is not None and n:
-                        gaps.append((now - last) / n)
-                    last = now
-                    tokens += n
+            async for line in http.stream_lines("/generate", body):
+                if not line.startswith("data: {"):
+                    continue
+                n = len(json.loads(line[6:])["output_ids"])
+                now = time.perf_counter()
+                if last is not None and n:
+                    gaps.append((now - last) / n)
+                last = now
+                tokens += n
 
-    limits = httpx.Limits(max_connections=len(prompts) + 8, max_keepalive_connections=len(prompts) + 8)
-    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as ac:
+    async with HttpClient(client_lib, url, len(prompts)) as http:
         t0 = time.perf_counter()
-        await asyncio.gather(*[client(ac, mine) for mine in prompts])
+        await asyncio.gather(*[client(http, mine) for mine in prompts])
         return time.perf_counter() - t0, tokens, gaps
 
 
@@ -144,15 +195,13 @@ def grpo_params(new: int, n: int = 1) -> dict:
     return {"temperature": 1.0, "max_new_tokens": new, "ignore_eos": True, "n": n}
 
 
-async def grpo_server(url: str, batch: list[tuple[list[int], int]], samples: int) -> tuple[float, int]:
-    limits = httpx.Limits(max_connections=len(batch) * samples + 8, max_keepalive_connections=len(batch) * samples)
-    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as ac:
+async def grpo_server(url: str, batch: list[tuple[list[int], int]], samples: int,
+                      client_lib: str = "aiohttp") -> tuple[float, int]:
+    async with HttpClient(client_lib, url, len(batch) * samples) as http:
         async def one(ids: list[int], new: int) -> int:
             body = {"input_ids": ids, "sampling_params": grpo_params(new), "return_logprob": True,
                     "return_routed_experts": True}
-            r = await ac.post("/generate", json=body)
-            r.raise_for_status()
-            return r.json()["meta_info"]["completion_tokens"]
+            return (await http.post_json("/generate", body))["meta_info"]["completion_tokens"]
 
         t0 = time.perf_counter()
         counts = await asyncio.gather(*[one(ids, new) for ids, new in batch for _ in range(samples)])
@@ -167,7 +216,7 @@ def grpo_python(engine, batch: list[tuple[list[int], int]], samples: int) -> tup
     return time.perf_counter() - t0, sum(len(o.output_ids) for o in outs)
 
 
-def grpo_rows(model_path: str, repeats: int, seed: int) -> dict:
+def grpo_rows(model_path: str, repeats: int, seed: int, client_lib: str) -> dict:
     from rollout import Rollout
 
     srv = Server(["--model-path", model_path, "--enable-return-routed-experts"])
@@ -175,19 +224,21 @@ def grpo_rows(model_path: str, repeats: int, seed: int) -> dict:
     try:
         with Rollout(model_path, enable_return_routed_experts=True) as engine:
             warm = grpo_batch(seed + 99, prompts=2, samples=2)
-            asyncio.run(grpo_server(srv.url, warm, 2))
+            asyncio.run(grpo_server(srv.url, warm, 2, client_lib))
             grpo_python(engine, warm, 2)
             for i in range(repeats):
                 batch = grpo_batch(seed + i)
                 for name, run in (("python", lambda: grpo_python(engine, batch, 8)),
-                                  ("server", lambda: asyncio.run(grpo_server(srv.url, batch, 8)))):
+                                  ("server", lambda: asyncio.run(grpo_server(srv.url, batch, 8, client_lib)))):
+                    cpu0 = (time.process_time(), srv.cpu_seconds())
                     wall, tokens = run()
                     rows.append({"api": name, "repeat": i, "wall_s": wall, "tokens": tokens,
-                                 "tokens_per_s": tokens / wall})
+                                 "tokens_per_s": tokens / wall, "client_cpu_s": time.process_time() - cpu0[0],
+                                 "server_cpu_s": srv.cpu_seconds() - cpu0[1]})
     finally:
         srv.stop()
     ratios = sorted(s["tokens_per_s"] / p["tokens_per_s"] for p, s in zip(rows[::2], rows[1::2]))
-    return {"rows": rows, "ratios": ratios, "median_ratio": ratios[len(ratios) // 2]}
+    return {"rows": rows, "ratios": ratios, "median_ratio": ratios[len(ratios) // 2], "client": client_lib}
 
 
 # ---- python side ----------------------------------------------------------------------------------
@@ -225,6 +276,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2, help="runs per (api, concurrency); the best is kept")
     ap.add_argument("--stream-interval", type=int, default=1, help="sampling_params.stream_interval (tokens/chunk)")
     ap.add_argument("--grpo-repeats", type=int, default=3, help="GRPO batch runs per api (0: skip)")
+    ap.add_argument("--client", choices=("aiohttp", "httpx"), default="aiohttp",
+                    help="the load generator's HTTP client (it shares the machine's cores with the server)")
     ap.add_argument("--json", default=None, help="write the results here")
     args = ap.parse_args()
     params = {"temperature": 0.0, "max_new_tokens": args.max_new_tokens, "ignore_eos": True,
@@ -232,12 +285,15 @@ def main() -> None:
     flags = ["--model-path", args.model_path, "--enable-return-routed-experts", "--disable-prefix-caching"]
     results: dict = {"config": vars(args), "throughput": [], "bytes": []}
     if args.grpo_repeats:
-        results["grpo"] = grpo = grpo_rows(args.model_path, args.grpo_repeats, args.seed)
+        results["grpo"] = grpo = grpo_rows(args.model_path, args.grpo_repeats, args.seed, args.client)
         print("\nGRPO batch: 24 prompts x 8 samples, one non-streaming /generate per sample vs one "
               "Rollout.generate(n=8); logprobs + routing on")
-        print(f"{'api':<8}{'repeat':>8}{'tokens':>8}{'wall s':>9}{'tok/s':>9}")
+        print(f"(client: {args.client}; CPU seconds of the benchmark process (the client, or the Python API's "
+              f"front end) and of the server's front-end process during each run)")
+        print(f"{'api':<8}{'repeat':>8}{'tokens':>8}{'wall s':>9}{'tok/s':>9}{'client cpu s':>14}{'server cpu s':>14}")
         for r in grpo["rows"]:
-            print(f"{r['api']:<8}{r['repeat']:>8}{r['tokens']:>8}{r['wall_s']:>9.2f}{r['tokens_per_s']:>9.0f}")
+            print(f"{r['api']:<8}{r['repeat']:>8}{r['tokens']:>8}{r['wall_s']:>9.2f}{r['tokens_per_s']:>9.0f}"
+                  f"{r['client_cpu_s']:>14.2f}{r['server_cpu_s']:>14.2f}")
         print(f"server/python tok/s per repeat: {', '.join(f'{x:.2f}' for x in grpo['ratios'])}; "
               f"median {grpo['median_ratio']:.2f}")
 
@@ -255,7 +311,7 @@ def main() -> None:
                 best: dict = {}
                 for _ in range(args.repeats):
                     for name, run in (("python", lambda w: python_run(engine, w, params)),
-                                      ("server", lambda w: server_run(srv.url, w, params))):
+                                      ("server", lambda w: server_run(srv.url, w, params, args.client))):
                         r = summarize(name, c, *asyncio.run(run(workload(c, args.prompt_len, args.seed))))
                         if name not in best or r["tokens_per_s"] > best[name]["tokens_per_s"]:
                             best[name] = r
@@ -265,7 +321,8 @@ def main() -> None:
         srv.stop()
 
     print(f"\nprompt {args.prompt_len} tokens, {args.max_new_tokens} new tokens, greedy, routing int32 on, "
-          f"streaming {args.stream_interval} token(s) per chunk; model {os.path.basename(args.model_path)}\n")
+          f"streaming {args.stream_interval} token(s) per chunk; model {os.path.basename(args.model_path)}; "
+          f"client {args.client}\n")
     print(f"{'api':<8}{'clients':>8}{'tokens':>8}{'tok/s':>10}{'TPOT p50 ms':>13}{'TPOT p99 ms':>13}")
     by = {(r["api"], r["concurrency"]): r for r in results["throughput"]}
     for c in args.concurrency:

@@ -11,6 +11,7 @@ import time
 import uuid
 from typing import Any, AsyncIterator, Callable, Optional
 
+import orjson
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
@@ -65,16 +66,23 @@ def _finite(obj: Any) -> Any:
     return obj
 
 
-def dumps(obj: Any) -> str:
-    """Compact JSON; non-finite floats (e.g. -inf top logprobs) become null, as in SGLang."""
+def dumps_bytes(obj: Any) -> bytes:
+    """Compact UTF-8 JSON; non-finite floats (e.g. -inf top logprobs) become null, as in SGLang.
+    orjson (several times faster than the standard library on logprob lists) writes NaN and
+    infinities as null itself; what it cannot encode (an integer over 64 bits) takes the standard
+    library's path."""
     try:
-        return json.dumps(obj, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
-    except ValueError:
-        return json.dumps(_finite(obj), ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+        return orjson.dumps(obj, option=orjson.OPT_NON_STR_KEYS | orjson.OPT_SERIALIZE_NUMPY)
+    except TypeError:
+        return json.dumps(_finite(obj), ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
+
+
+def dumps(obj: Any) -> str:
+    return dumps_bytes(obj).decode()
 
 
 def json_response(obj: Any, status: int = 200) -> Response:
-    return Response(dumps(obj), status_code=status, media_type="application/json")
+    return Response(dumps_bytes(obj), status_code=status, media_type="application/json")
 
 
 def sse(obj: Any) -> str:
