@@ -39,8 +39,8 @@ def test_unavailable_backends_are_value_errors(monkeypatch):
 
 
 def test_flag():
-    assert ServerArgs.from_cli(["--attention-backend", "triton"]).engine_config().attention_backend == "triton"
-    assert ServerArgs.from_cli([]).engine_config().attention_backend is None
+    assert ServerArgs.from_cli(["--attention-backend", "triton"]).engine.attention_backend == "triton"
+    assert ServerArgs.from_cli([]).engine.attention_backend is None
     with pytest.raises(SystemExit):
         ServerArgs.from_cli(["--attention-backend", "sdpa"])
 

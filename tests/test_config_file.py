@@ -1,6 +1,9 @@
-"""configs/engine/*.yaml: loading, validation errors naming the key, and `python -m rollout.config --show`."""
+"""configs/engine/*.yaml: loading, validation errors naming the key, and `python -m rollout.config --show`;
+the engine flags generated from EngineConfig's fields (rollout/config/engine_cli.py)."""
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import json
 import os
 import subprocess
@@ -10,9 +13,11 @@ from pathlib import Path
 import pytest
 
 from capture.buffer_sizing import capture_buffer_rows
-from rollout.config import EngineConfig
-from rollout.config_file import (ConfigFileError, implied_sizes, load_engine_config, load_engine_config_file,
-                                 serve_flags)
+from rollout.config import DEFAULT_MODEL_PATH, EngineConfig
+from rollout.config.config_file import (ConfigFileError, implied_sizes, load_engine_config, load_engine_config_file,
+                                        serve_flags)
+from rollout.config.engine_cli import add_engine_arguments, engine_config_from_args, engine_flags
+from rollout.config.flag import flag_of
 from rollout.server.args import ServerArgs
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -34,7 +39,7 @@ def test_presets_load_and_round_trip_through_serve_flags(path):
     cfg = load_engine_config(str(path))
     assert isinstance(cfg, EngineConfig) and cfg.enable_return_routed_experts
     args = ServerArgs.from_cli(serve_flags(cfg))
-    assert args.engine_config() == cfg
+    assert args.engine == cfg
 
 
 def test_tiny_preset_sizes_match_a_real_engine():
@@ -116,3 +121,139 @@ def test_show_exit_code_and_message_on_error(tmp_path):
     r = subprocess.run([sys.executable, "-m", "rollout.config", "--show", path], cwd=ROOT,
                        env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "engine.max_running_requests" in r.stderr, r.stderr
+
+
+# ---- the engine flags, generated from EngineConfig's fields -------------------------------------------
+
+# rollout-serve's engine group as the hand-written parser had it before the flags were generated:
+# option -> (default, nargs, type, choices, help); None = argparse's (one value, a string, no help)
+ENGINE_FLAGS_BEFORE = {
+    "--model-path": (DEFAULT_MODEL_PATH, None, None, None,
+                     "checkpoint directory (default: the embedded tiny MoE model)"),
+    "--tokenizer-path": (None, None, None, None, "tokenizer directory (default: the model path)"),
+    "--dtype": ("auto", None, None, ("auto", "float32", "bfloat16", "float16"), None),
+    "--device": ("cpu", None, None, None, "cpu or cuda[:N]"),
+    "--dp-size": (1, None, int, None, None),
+    "--enable-return-routed-experts": (False, 0, None, None, "capture routed experts so requests may ask for them"),
+    "--max-running-requests": (128, None, int, None, None),
+    "--chunked-prefill-size": (1024, None, int, None, "tokens per prefill forward; -1 or 0 = whole prompts"),
+    "--max-total-tokens": (None, None, int, None, "KV cache slots"),
+    "--kv-cache-bytes": (None, None, int, None, "KV cache size when --max-total-tokens is unset (default 512 MiB)"),
+    "--context-length": (None, None, int, None, None),
+    "--disable-prefix-caching": (False, 0, None, None, None),
+    "--decode-graph-batch-sizes": ([], "*", int, None, None),
+    "--prefill-graph-token-sizes": ([], "*", int, None, None),
+    "--seed": (0, None, int, None, None),
+    "--weight-version": ("default", None, None, None, "initial weight_version label"),
+    "--stream-interval": (1, None, int, None,
+                          "streaming: tokens per chunk unless a request sets sampling_params.stream_interval"),
+    "--max-capture-buffer-rows": (None, None, int, None,
+                                  "refuse configs whose routed-expert capture buffer needs more rows"),
+    "--enable-profile-graph-capture": (False, 0, None, None, "write one profiler trace per captured graph shape"),
+    "--profile-graph-capture-dir": (None, None, None, None, None),
+    "--moe-backend": (None, None, None, ("torch", "triton"),
+                      "router and experts kernels (default: triton on CUDA, torch on CPU)"),
+    "--attention-backend": (None, None, None, ("torch", "triton", "flashinfer"),
+                            "attention kernels (default: flashinfer on CUDA when installed, else triton; "
+                            "torch on CPU)"),
+}
+CLI_OFF = {"graph_variant_axes"}   # test-only, set from Python
+
+
+def _engine_group(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
+    group = next(g for g in parser._action_groups if g.title == "engine")
+    return {a.option_strings[0]: a for a in group._group_actions}
+
+
+def test_engine_group_is_unchanged():
+    """rollout-serve's engine flags keep their names, defaults, value types, choices and help."""
+    actions = _engine_group(ServerArgs.parser())
+    assert set(actions) == set(ENGINE_FLAGS_BEFORE)
+    for option, (default, nargs, type_, choices, help_) in ENGINE_FLAGS_BEFORE.items():
+        a = actions[option]
+        assert (a.default, a.nargs, a.type, a.choices, a.help) == (default, nargs, type_, choices, help_), option
+    help_text = ServerArgs.parser().format_help()
+    assert all(option in help_text for option in ENGINE_FLAGS_BEFORE)
+
+
+def test_every_engine_field_has_a_flag_or_says_why_not():
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+    dests = {a.dest for a in _engine_group(parser).values()}
+    off = set()
+    for f in dataclasses.fields(EngineConfig):
+        fl = flag_of(f)
+        if fl is None:
+            off.add(f.name)
+            assert f.metadata["no_flag"], f.name   # the reason
+        else:
+            assert fl.dest(f) in dests, f.name
+    assert off == CLI_OFF
+    assert len(dests) == len(dataclasses.fields(EngineConfig)) - len(CLI_OFF)
+
+
+ROUND_TRIP = [
+    EngineConfig(),
+    EngineConfig(chunked_prefill_size=None, enable_prefix_caching=False, dp_size=4, seed=7),
+    EngineConfig(model_path="/m", tokenizer_path="/t", dtype="bfloat16", device="cuda:1", max_total_tokens=4096,
+                 kv_cache_bytes=2**20, context_length=512, max_capture_buffer_rows=10_000),
+    EngineConfig(decode_graph_batch_sizes=(8, 1, 4), prefill_graph_token_sizes=(64,), enable_return_routed_experts=True,
+                 enable_profile_graph_capture=True, profile_graph_capture_dir="/tmp/p", weight_version="v2",
+                 stream_interval=3, max_running_requests=9, moe_backend="triton", attention_backend="flashinfer"),
+    EngineConfig(chunked_prefill_size=1, moe_backend="torch", attention_backend="torch", dtype="float32"),
+]
+
+
+@pytest.mark.parametrize("cfg", ROUND_TRIP, ids=range(len(ROUND_TRIP)))
+def test_flags_round_trip(cfg):
+    flags = engine_flags(cfg)
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+    assert engine_config_from_args(parser.parse_args(flags)) == cfg
+    assert ServerArgs.from_cli(flags).engine == cfg
+    assert serve_flags(cfg) == flags and (flags == []) == (cfg == EngineConfig())
+
+
+def test_flags_spellings():
+    assert engine_flags(EngineConfig(enable_prefix_caching=False, chunked_prefill_size=None)) == [
+        "--chunked-prefill-size", "-1", "--disable-prefix-caching"]
+    assert ServerArgs.from_cli(["--chunked-prefill-size", "0"]).engine.chunked_prefill_size is None
+    assert engine_flags(EngineConfig(decode_graph_batch_sizes=[2, 1])) == ["--decode-graph-batch-sizes", "1", "2"]
+    cfg = EngineConfig(graph_variant_axes={"lora": ["a", "b"]})
+    with pytest.raises(ValueError, match="graph_variant_axes: has no rollout-serve flag"):
+        engine_flags(cfg)
+    with pytest.raises(ConfigFileError, match="engine.graph_variant_axes: has no rollout-serve flag"):
+        serve_flags(cfg)
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--dp-size", "0"], "dp_size must be an integer >= 1, got 0"),
+    (["--dtype", "foo"], "argument --dtype: invalid choice: 'foo'"),
+    (["--max-total-tokens", "1"], "max_total_tokens must be an integer >= 2"),
+    (["--decode-graph-batch-sizes", "4", "4"], "decode_graph_batch_sizes must not repeat values"),
+    (["--device", "tpu"], "device must be 'cpu' or 'cuda[:N]'"),
+    (["--seed", "x"], "argument --seed: invalid int value: 'x'"),
+    (["--port", "70000"], "port must be an integer in [0, 65535]"),
+])
+def test_bad_flag_exits_2_naming_the_field(argv, says, capsys):
+    with pytest.raises(SystemExit) as e:
+        ServerArgs.from_cli(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "rollout-serve: error: " in err and says in err, err
+
+
+def test_flags_command_and_no_import_cycle():
+    """`python -m rollout.config --flags` prints the preset's flags; the package runs as __main__
+    without runpy's "found in sys.modules" warning (which an import cycle through it gives)."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    r = subprocess.run([sys.executable, "-W", "error::RuntimeWarning", "-m", "rollout.config", "--flags",
+                        "configs/engine/tiny-moe.yaml"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and r.stderr == "", r.stderr
+    assert r.stdout == ("--max-running-requests 32 --chunked-prefill-size 256 --max-total-tokens 8192 "
+                        "--enable-return-routed-experts --decode-graph-batch-sizes 1 2 4 8 16 32 "
+                        "--prefill-graph-token-sizes 64 128 256 --moe-backend torch --attention-backend torch\n")
+    for module in ("rollout.config.config_file", "rollout.config.engine_cli", "rollout.server.args"):
+        r = subprocess.run([sys.executable, "-c", f"import {module}"], cwd=ROOT, env=env, capture_output=True,
+                           text=True, timeout=60)
+        assert r.returncode == 0, (module, r.stderr)

@@ -67,7 +67,7 @@ def test_published_config_shapes():
 def test_presets_size_mla_kv_and_wide_expert_ids(tiny_checkpoint):
     """--show sizes: MLA KV per token from kv_lora_rank + qk_rope_head_dim (preset or config.json,
     the same bytes the engine's pool allocates), int16 host store past 255 experts (Kimi-K2)."""
-    from rollout.config_file import ModelShape, implied_sizes, load_engine_config_file
+    from rollout.config.config_file import ModelShape, implied_sizes, load_engine_config_file
 
     root = Path(__file__).resolve().parent.parent / "configs" / "engine"
     ds, kimi, glm = (implied_sizes(load_engine_config_file(str(root / f"{n}.yaml")))

@@ -42,8 +42,8 @@ def test_triton_on_cpu_needs_the_interpreter(monkeypatch):
 
 
 def test_server_flag():
-    assert ServerArgs.from_cli(["--moe-backend", "triton"]).engine_config().moe_backend == "triton"
-    assert ServerArgs.from_cli([]).engine_config().moe_backend is None
+    assert ServerArgs.from_cli(["--moe-backend", "triton"]).engine.moe_backend == "triton"
+    assert ServerArgs.from_cli([]).engine.moe_backend is None
     with pytest.raises(SystemExit):
         ServerArgs.from_cli(["--moe-backend", "cutlass"])
     assert "--moe-backend" in ServerArgs.parser().format_help()

@@ -506,10 +506,22 @@ def test_server_args_cli():
     a = ServerArgs.from_cli(["--port", "0", "--chunked-prefill-size", "-1", "--disable-prefix-caching",
                              "--decode-graph-batch-sizes", "1", "4", "--allowed-weight-dirs", "/tmp/x/../y",
                              "--api-key", "k1"])
-    cfg = a.engine_config()
+    cfg = a.engine
     assert a.host == "127.0.0.1" and cfg.chunked_prefill_size is None and not cfg.enable_prefix_caching
     assert cfg.decode_graph_batch_sizes == (1, 4) and cfg.model_path == DEFAULT_MODEL_PATH
     assert a.weight_dirs == (DEFAULT_MODEL_PATH, "/tmp/y") and a.redacted()["api_key"] == "<set>"
+    # /server_info lists the engine settings flat, under their flag names, as before ServerArgs held an EngineConfig
+    flat = a.redacted()
+    assert set(flat) == {
+        "model_path", "tokenizer_path", "dtype", "device", "dp_size", "enable_return_routed_experts",
+        "max_running_requests", "chunked_prefill_size", "max_total_tokens", "kv_cache_bytes", "context_length",
+        "disable_prefix_caching", "decode_graph_batch_sizes", "prefill_graph_token_sizes", "seed", "weight_version",
+        "stream_interval", "max_capture_buffer_rows", "enable_profile_graph_capture", "profile_graph_capture_dir",
+        "moe_backend", "attention_backend", "host", "port", "served_model_name", "api_key", "admin_api_key",
+        "allowed_weight_dirs", "max_request_bytes", "log_level", "enable_debug_endpoints", "timeout_keep_alive",
+        "incremental_streaming_output", "allow_pickled_weight_tensors"}
+    assert flat["disable_prefix_caching"] is True and flat["chunked_prefill_size"] is None
+    assert flat["decode_graph_batch_sizes"] == (1, 4) and flat["model_path"] == DEFAULT_MODEL_PATH
     for argv in (["--port", "70000"], ["--dp-size", "0"], ["--max-request-bytes", "10"], ["--api-key", ""]):
         with pytest.raises(SystemExit):
             ServerArgs.from_cli(argv)

@@ -445,7 +445,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
         logger.warning("listening on %s without --api-key: anyone who can reach it may generate", args.host)
-    engine = Rollout(config=args.engine_config())
+    engine = Rollout(config=args.engine)
     died: list[str] = []
     try:
         app = create_app(engine, args)

@@ -183,7 +183,7 @@ def add_control_routes(app: FastAPI, *, engine: Any, args: ServerArgs, updater: 
         kw = {k: body.get(k) for k in ("master_address", "rank_offset", "world_size")}
         kw["master_port"] = _port(body.get("master_port"))
         kw["group_name"] = body.get("group_name") or DEFAULT_GROUP_NAME
-        kw["backend"] = body.get("backend") or ("gloo" if args.device == "cpu" else "nccl")
+        kw["backend"] = body.get("backend") or ("gloo" if args.engine.device == "cpu" else "nccl")
         if "timeout_s" in body:
             kw["timeout_s"] = body["timeout_s"]
         return await weights_call(lambda: updater.init_group(**kw))

@@ -45,21 +45,21 @@ class ServerInfo:
 
     def sglang_args(self) -> dict[str, Any]:
         """This server's settings under SGLang's ServerArgs names (single process: tp = pp = 1)."""
-        a = self.args
+        a, e = self.args, self.args.engine
         return {
-            "model_path": a.model_path, "tokenizer_path": a.tokenizer_path or a.model_path,
-            "served_model_name": a.model_name, "host": a.host, "port": a.port, "dtype": a.dtype, "device": a.device,
-            "tp_size": 1, "pp_size": 1, "dp_size": a.dp_size, "ep_size": a.dp_size,
-            "enable_dp_attention": a.dp_size > 1, "enable_memory_saver": a.dp_size == 1,
-            "enable_return_routed_experts": a.enable_return_routed_experts,
-            "context_length": self.engine.context_length, "max_running_requests": a.max_running_requests,
-            "max_total_tokens": self.engine.kv_capacity, "chunked_prefill_size": a.chunked_prefill_size or -1,
-            "disable_radix_cache": a.disable_prefix_caching, "stream_interval": a.stream_interval,
+            "model_path": e.model_path, "tokenizer_path": e.tokenizer_path or e.model_path,
+            "served_model_name": a.model_name, "host": a.host, "port": a.port, "dtype": e.dtype, "device": e.device,
+            "tp_size": 1, "pp_size": 1, "dp_size": e.dp_size, "ep_size": e.dp_size,
+            "enable_dp_attention": e.dp_size > 1, "enable_memory_saver": e.dp_size == 1,
+            "enable_return_routed_experts": e.enable_return_routed_experts,
+            "context_length": self.engine.context_length, "max_running_requests": e.max_running_requests,
+            "max_total_tokens": self.engine.kv_capacity, "chunked_prefill_size": e.chunked_prefill_size or -1,
+            "disable_radix_cache": not e.enable_prefix_caching, "stream_interval": e.stream_interval,
             "incremental_streaming_output": a.incremental_streaming_output, "stream_output":
-                a.incremental_streaming_output, "random_seed": a.seed, "weight_version": self.engine.weight_version,
+                a.incremental_streaming_output, "random_seed": e.seed, "weight_version": self.engine.weight_version,
             "skip_tokenizer_init": False, "log_level": a.log_level, "api_key": "<set>" if a.api_key else None,
             "admin_api_key": "<set>" if a.admin_api_key else None, "attention_backend": "torch_native",
-            "cuda_graph_bs": list(a.decode_graph_batch_sizes), "disable_cuda_graph": not a.decode_graph_batch_sizes,
+            "cuda_graph_bs": list(e.decode_graph_batch_sizes), "disable_cuda_graph": not e.decode_graph_batch_sizes,
         }
 
     def server_info(self, stats: dict, loads: list[dict]) -> dict[str, Any]:

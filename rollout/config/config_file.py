@@ -2,7 +2,7 @@
 
 A file has two top-level sections (anything else is rejected, naming the key):
 
-    engine:        # EngineConfig fields, by name (rollout/config.py); omitted fields keep their defaults
+    engine:        # EngineConfig fields, by name (rollout/config/engine_config.py); omitted fields keep their defaults
       model_path: ../tiny-moe          # relative paths are resolved against the YAML file's directory
       dp_size: 1
       ...
@@ -10,23 +10,22 @@ A file has two top-level sections (anything else is rejected, naming the key):
       num_hidden_layers: 48            # (so a preset can be sized on a machine without the checkpoint)
       ...
 
-`python -m rollout.config --show configs/engine/<name>.yaml` prints the capture device-buffer rows and
-bytes, the host store bytes per KV slot and in total that the config implies.
+`python -m rollout.config --show configs/engine/<name>.yaml` (rollout/config/__main__.py) prints the
+capture device-buffer rows and bytes, the host store bytes per KV slot and in total that the config implies.
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import os
-import sys
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
 import yaml
 
 from capture.buffer_sizing import ForwardShapeLimits, capture_buffer_rows
-from rollout.config import EngineConfig
+from rollout.config.engine_cli import engine_flags
+from rollout.config.engine_config import EngineConfig
 
 TOP_LEVEL_KEYS = ("engine", "model_shape")
 DEFAULT_KV_CACHE_BYTES = 512 * 2**20   # mirrors rollout/core/engine_core.py
@@ -256,60 +255,9 @@ def format_sizes(s: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-_FLAG_FREE = ("graph_variant_axes",)
-
-
 def serve_flags(cfg: EngineConfig) -> list[str]:
     """The `rollout-serve` flags that reproduce cfg (every field that differs from the default)."""
-    default = EngineConfig()
-    flags: list[str] = []
-    for f in dataclasses.fields(EngineConfig):
-        value, base = getattr(cfg, f.name), getattr(default, f.name)
-        if value == base:
-            continue
-        if f.name in _FLAG_FREE:
-            raise ConfigFileError(f"engine.{f.name}: has no rollout-serve flag")
-        if f.name == "enable_prefix_caching":
-            flags.append("--disable-prefix-caching")
-        elif isinstance(value, bool):
-            if value:
-                flags.append("--" + f.name.replace("_", "-"))
-        elif isinstance(value, tuple):
-            flags += ["--" + f.name.replace("_", "-"), *map(str, value)]
-        elif f.name == "chunked_prefill_size" and value is None:
-            flags += ["--chunked-prefill-size", "-1"]
-        elif value is not None:
-            flags += ["--" + f.name.replace("_", "-"), str(value)]
-    return flags
-
-
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m rollout.config",
-                                description="Validate engine config files and print the sizes they imply.")
-    what = p.add_mutually_exclusive_group(required=True)
-    what.add_argument("--show", nargs="+", metavar="YAML", help="configs/engine/<name>.yaml ...: print the "
-                      "capture buffer rows/bytes and host store bytes the config implies")
-    what.add_argument("--flags", metavar="YAML", help="print the rollout-serve flags equivalent to the config "
-                      "(one shell-quoted line; used by scripts/slurm/*.sbatch)")
-    p.add_argument("--json", action="store_true", help="with --show: print JSON instead of text")
-    ns = p.parse_args(argv)
-    if ns.flags:
-        import shlex
-        try:
-            print(shlex.join(serve_flags(load_engine_config(ns.flags))))
-        except ConfigFileError as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return 2
-        return 0
-    out = []
-    for path in ns.show:
-        try:
-            out.append(implied_sizes(load_engine_config_file(path)))
-        except ConfigFileError as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return 2
-    if ns.json:
-        print(json.dumps(out if len(out) > 1 else out[0], indent=2))
-    else:
-        print("\n\n".join(format_sizes(s) for s in out))
-    return 0
+    try:
+        return engine_flags(cfg)
+    except ValueError as exc:
+        raise ConfigFileError(f"engine.{exc}") from None

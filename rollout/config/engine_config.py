@@ -1,15 +1,21 @@
-"""EngineConfig: the frozen settings an engine is built from; derived values are properties."""
+"""EngineConfig: the frozen settings an engine is built from; derived values are properties.
+
+The fields are the one list of engine settings: each carries its `rollout-serve` flag in its
+metadata (rollout/config/flag.py), from which the CLI, ServerArgs and `--flags` are generated
+(rollout/config/engine_cli.py)."""
 from __future__ import annotations
 
 import dataclasses
 import importlib.util
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
-DEFAULT_MODEL_PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                  "configs", "tiny-moe")
+from rollout.config.flag import flag, no_flag
+
+_REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+DEFAULT_MODEL_PATH = os.path.join(_REPO, "configs", "tiny-moe")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 MOE_BACKENDS = ("torch", "triton")
 ATTENTION_BACKENDS = ("torch", "triton", "flashinfer")   # see rollout/models/attention_backend.py
@@ -68,34 +74,54 @@ def _variant_axes(value: Any) -> tuple[tuple[str, tuple[str, ...]], ...]:
 
 @dataclass(frozen=True, kw_only=True)
 class EngineConfig:
-    model_path: str = DEFAULT_MODEL_PATH
-    tokenizer_path: Optional[str] = None
-    dtype: str = "auto"
-    device: str = "cpu"
-    max_running_requests: int = 128
-    chunked_prefill_size: Optional[int] = 1024   # tokens per prefill forward; None = whole prompts
-    max_total_tokens: Optional[int] = None        # KV slots; default from kv_cache_bytes
-    kv_cache_bytes: Optional[int] = None          # default 512 MiB when max_total_tokens is unset
-    context_length: Optional[int] = None          # default: the model's max_position_embeddings
-    enable_prefix_caching: bool = True
-    enable_return_routed_experts: bool = False
-    decode_graph_batch_sizes: tuple[int, ...] = ()
-    prefill_graph_token_sizes: tuple[int, ...] = ()
-    dp_size: int = 1
+    model_path: str = field(default=DEFAULT_MODEL_PATH, metadata=flag(
+        help="checkpoint directory (default: the embedded tiny MoE model)"))
+    tokenizer_path: Optional[str] = field(default=None, metadata=flag(
+        help="tokenizer directory (default: the model path)"))
+    dtype: str = field(default="auto", metadata=flag(choices=DTYPES))
+    device: str = field(default="cpu", metadata=flag(help="cpu or cuda[:N]"))
+    max_running_requests: int = field(default=128, metadata=flag(type=int))
+    # tokens per prefill forward; None = whole prompts
+    chunked_prefill_size: Optional[int] = field(default=1024, metadata=flag(
+        type=int, none_at_most=0, none_spelling="-1", help="tokens per prefill forward; -1 or 0 = whole prompts"))
+    # KV slots; default from kv_cache_bytes
+    max_total_tokens: Optional[int] = field(default=None, metadata=flag(type=int, help="KV cache slots"))
+    # default 512 MiB when max_total_tokens is unset
+    kv_cache_bytes: Optional[int] = field(default=None, metadata=flag(
+        type=int, help="KV cache size when --max-total-tokens is unset (default 512 MiB)"))
+    # default: the model's max_position_embeddings
+    context_length: Optional[int] = field(default=None, metadata=flag(type=int))
+    enable_prefix_caching: bool = field(default=True, metadata=flag(name="--disable-prefix-caching", negate=True))
+    enable_return_routed_experts: bool = field(default=False, metadata=flag(
+        help="capture routed experts so requests may ask for them"))
+    decode_graph_batch_sizes: tuple[int, ...] = field(default=(), metadata=flag(type=int))
+    prefill_graph_token_sizes: tuple[int, ...] = field(default=(), metadata=flag(type=int))
+    dp_size: int = field(default=1, metadata=flag(type=int))
     # NOTE: a device budget for the routed-expert capture buffer; a config whose forwards need more
     # rows (capture_buffer_rows) is rejected at startup, naming the values. None = no cap.
-    max_capture_buffer_rows: Optional[int] = None
-    enable_profile_graph_capture: bool = False    # one torch.profiler trace per captured shape
-    profile_graph_capture_dir: Optional[str] = None   # default ./graph_capture_profile
+    max_capture_buffer_rows: Optional[int] = field(default=None, metadata=flag(
+        type=int, help="refuse configs whose routed-expert capture buffer needs more rows"))
+    # one torch.profiler trace per captured shape
+    enable_profile_graph_capture: bool = field(default=False, metadata=flag(
+        help="write one profiler trace per captured graph shape"))
+    # default ./graph_capture_profile
+    profile_graph_capture_dir: Optional[str] = field(default=None, metadata=flag())
     # extra capture axes, {name: (value, ...)}: each bucket is captured once per combination
     # (test-only today; real axes would be e.g. a LoRA or attention variant)
-    graph_variant_axes: tuple[tuple[str, tuple[str, ...]], ...] = ()
-    seed: int = 0
-    weight_version: str = "default"
-    stream_interval: int = 1                      # streaming: tokens per chunk unless a request sets it
-    moe_backend: Optional[str] = None             # router + experts: "torch" | "triton"; None = by device
+    graph_variant_axes: tuple[tuple[str, tuple[str, ...]], ...] = field(default=(), metadata=no_flag(
+        "test-only: extra graph-capture axes are set from Python (tests), not from the command line"))
+    seed: int = field(default=0, metadata=flag(type=int))
+    weight_version: str = field(default="default", metadata=flag(help="initial weight_version label"))
+    # streaming: tokens per chunk unless a request sets it
+    stream_interval: int = field(default=1, metadata=flag(
+        type=int, help="streaming: tokens per chunk unless a request sets sampling_params.stream_interval"))
+    # router + experts: "torch" | "triton"; None = by device
+    moe_backend: Optional[str] = field(default=None, metadata=flag(
+        choices=MOE_BACKENDS, help="router and experts kernels (default: triton on CUDA, torch on CPU)"))
     # attention kernels: "torch", "triton" or "flashinfer"; None = by device (resolved_attention_backend)
-    attention_backend: Optional[str] = None
+    attention_backend: Optional[str] = field(default=None, metadata=flag(
+        choices=ATTENTION_BACKENDS,
+        help="attention kernels (default: flashinfer on CUDA when installed, else triton; torch on CPU)"))
 
     def __post_init__(self) -> None:
         if not isinstance(self.model_path, str) or not self.model_path:
@@ -192,10 +218,3 @@ class EngineConfig:
             return None
         return self.profile_graph_capture_dir or os.path.join(os.getcwd(), "graph_capture_profile")
 
-
-if __name__ == "__main__":
-    import sys
-
-    from rollout.config_file import main
-
-    sys.exit(main())
