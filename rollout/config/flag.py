@@ -45,6 +45,8 @@ class Flag:
         if self.help is not None:
             kw["help"] = self.help
         if isinstance(f.default, bool):
+            if f.default != self.negate:   # a switch moves the setting away from its default
+                raise TypeError(f"EngineConfig.{f.name}: a default of {f.default} needs negate={not self.negate}")
             group.add_argument(self.option(f), action="store_true", **kw)
             return
         kw["default"] = list(f.default) if isinstance(f.default, tuple) else f.default
