@@ -323,8 +323,9 @@ def _pause_then_continue(client, admin, ref, shape, mode):
     else:
         assert busy.status_code == 400 and "in flight" in busy.json()["error"]["message"]
     assert admin.post("/continue_generation").status_code == 200
-    late.join(30)
-    reader.join(60)
+    late.join(120)
+    reader.join(300)   # NOTE: ~1500 tokens of one request; minutes on a loaded 2-core machine
+    assert not reader.is_alive(), f"the stream has not finished: {len(chunks)} chunks so far"
     assert other["r"].status_code == 200 and other["r"].json()["meta_info"]["completion_tokens"] == 4
     final = chunks[-1]["meta_info"]
     out_ids = sum((c["output_ids"] for c in chunks), [])

@@ -18,7 +18,9 @@ import torch
 from capture.gather_layout import GatherLayout
 from rollout.config import EngineConfig
 from rollout.frontend.async_generation import AsyncGeneration
+from rollout.frontend.async_inbox import AsyncInbox
 from rollout.frontend.engine_client import EngineClient, EngineDeadError, RidInFlightError
+from rollout.frontend.loop_feeder import LoopFeeder
 from rollout.frontend.request_builder import ParamsArg, RequestBuilder
 from rollout.frontend.request_state import RequestState, RoutingShape
 from rollout.ipc.messages import ReqSpec, ReqUpdate
@@ -58,6 +60,7 @@ class Rollout:
         self.info = self._model_cls.spec_from_config(hf_cfg, gen).info
         self.tokenizer = Tokenizer(config.resolved_tokenizer_path)
         self._lock = threading.Lock()
+        self._feeders: dict[Any, LoopFeeder] = {}   # event loop -> its feeder (async_inbox)
         self._states: dict[int, RequestState] = {}
         self._rids: dict[str, list[int]] = {}
         self._dead_listeners: list[Callable[[str], None]] = []
@@ -218,6 +221,20 @@ class Rollout:
                 pending.discard(chunk.rid)
             yield chunk
 
+    def async_inbox(self) -> AsyncInbox:
+        """An inbox on the running event loop; pass its `sink` to submit(). Items of one engine step
+        reach the loop in one wake-up (LoopFeeder)."""
+        import asyncio  # noqa: PLC0415
+
+        loop = asyncio.get_running_loop()
+        with self._lock:
+            feeder = self._feeders.get(loop)
+            if feeder is None:
+                for old in [lp for lp in self._feeders if lp.is_closed()]:
+                    del self._feeders[old]
+                feeder = self._feeders[loop] = LoopFeeder(loop)
+        return feeder.inbox()
+
     def async_generate(self, prompts: Any = None, sampling_params: ParamsArg = None, *, input_ids: Any = None,
                        return_logprob: bool = False, top_logprobs_num: int = 0, return_routed_experts: bool = False,
                        routed_experts_start_len: Any = 0, rid: Any = None, stream: bool = False,
@@ -227,7 +244,7 @@ class Rollout:
         groups = self._build(prompts, input_ids, sampling_params, return_logprob, top_logprobs_num,
                              return_routed_experts, routed_experts_start_len, rid, stream, routed_dp_rank,
                              cache_salt, logprob_start_len)
-        return AsyncGeneration(lambda sink: self._submit(groups, sink), stream)
+        return AsyncGeneration(lambda sink: self._submit(groups, sink), self.async_inbox, stream)
 
     def submit(self, sink: Callable[[Any], None], prompts: Any = None, sampling_params: ParamsArg = None, *,
                input_ids: Any = None, return_logprob: bool = False, top_logprobs_num: int = 0,

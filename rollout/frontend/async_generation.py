@@ -1,9 +1,9 @@
 """AsyncGeneration: what Rollout.async_generate returns (await it, or iterate it)."""
 from __future__ import annotations
 
-import asyncio
 from typing import Any, AsyncIterator, Callable, Union
 
+from rollout.frontend.async_inbox import AsyncInbox
 from rollout.output import RolloutOutput
 from rollout.stream_chunk import StreamChunk
 
@@ -11,8 +11,10 @@ from rollout.stream_chunk import StreamChunk
 class AsyncGeneration:
     """`await` it for the list of outputs, or `async for` over it for chunks (stream) / outputs."""
 
-    def __init__(self, start: Callable[[Callable[[Any], None]], list[str]], stream: bool):
+    def __init__(self, start: Callable[[Callable[[Any], None]], list[str]], make_inbox: Callable[[], AsyncInbox],
+                 stream: bool):
         self._start = start
+        self._make_inbox = make_inbox
         self._stream = stream
 
     def __await__(self):
@@ -29,13 +31,12 @@ class AsyncGeneration:
         return self._iterate(final_only=not self._stream, order_out=[])
 
     async def _iterate(self, final_only: bool, order_out: list[str]):
-        loop = asyncio.get_running_loop()
-        q: asyncio.Queue = asyncio.Queue()
-        rids = self._start(lambda item: loop.call_soon_threadsafe(q.put_nowait, item))
+        inbox = self._make_inbox()
+        rids = self._start(inbox.sink)
         order_out.extend(rids)
         pending = set(rids)
         while pending:
-            item = await q.get()
+            item = await inbox.get()
             if isinstance(item, BaseException):
                 raise item
             done = isinstance(item, RolloutOutput) or item.finished

@@ -135,7 +135,18 @@ class RequestState:
         if self.routing is None or not self.routed:
             return None
         r = self.routing
-        rows = np.concatenate(self.rows)[lo:] if self.rows else np.empty((0, r.num_layers, r.top_k), np.int16)
+        # NOTE: only the parts that reach row `lo` are copied (a stream asks for its newest rows
+        # every chunk; concatenating them all each time is quadratic in the output length)
+        tail, end = [], self.num_rows
+        for part in reversed(self.rows):
+            if end <= lo:
+                break
+            begin = end - part.shape[0]
+            tail.append(part[max(0, lo - begin):])
+            end = begin
+        if not tail:
+            return torch.from_numpy(np.empty((0, r.num_layers, r.top_k), np.int32))
+        rows = tail[0] if len(tail) == 1 else np.concatenate(tail[::-1])
         return torch.from_numpy(rows.astype(np.int32))
 
     def _finish(self, reason: FinishReason, upd: ReqUpdate) -> list[Any]:

@@ -108,17 +108,9 @@ class EngineStream:
     """Submits to the engine; yields StreamChunks (stream) or RolloutOutputs. close() aborts the rest."""
 
     def __init__(self, engine: Any, **kwargs: Any):
-        loop = asyncio.get_running_loop()
-        self._q: asyncio.Queue = asyncio.Queue()
-
-        def sink(item: Any) -> None:
-            try:
-                loop.call_soon_threadsafe(self._q.put_nowait, item)
-            except RuntimeError:  # the event loop is gone (shutdown): nobody is listening
-                pass
-
+        self._inbox = engine.async_inbox()
         self.engine = engine
-        self.rids: list[str] = engine.submit(sink, **kwargs)
+        self.rids: list[str] = engine.submit(self._inbox.sink, **kwargs)
         self._pending = set(self.rids)
 
     @property
@@ -127,9 +119,8 @@ class EngineStream:
 
     async def next(self, timeout: Optional[float] = None) -> Any:
         """The next item; None on timeout. Engine errors are raised."""
-        try:
-            item = await asyncio.wait_for(self._q.get(), timeout) if timeout else await self._q.get()
-        except asyncio.TimeoutError:
+        item = await self._inbox.get(timeout)
+        if item is None:
             return None
         if isinstance(item, BaseException):
             self._pending.clear()
