@@ -11,7 +11,6 @@ from .model_info import ModelInfo
 from .request import Request
 
 _COMPACT_B64 = "UkVYQ"  # base64 of the compact format's magic b"REXC" (never valid int32 expert ids)
-ABORT_BEFORE_PREFILL = "Abort before prefill"
 
 
 def decode_routing(s: str, info: ModelInfo, rid: str, url: str) -> torch.Tensor:
@@ -61,9 +60,11 @@ def to_sample(req: Request, out: dict, url: str, *, info: ModelInfo, aborted: se
     if return_routed_experts:
         if "_routing" in out:
             routed = out["_routing"]
-        elif finish_type == "abort" and not output_ids and isinstance(finish, dict) \
-                and finish.get("message") == ABORT_BEFORE_PREFILL:
-            routed = None   # NOTE: aborted before any KV was computed: no routing row exists
+        elif finish_type == "abort" and not output_ids and not meta.get("routed_experts"):
+            # NOTE: aborted before any KV was computed (SGLang's "Abort before prefill"): no routing
+            # row exists and the server sends no routed_experts (docs/protocol.md). Told by the
+            # field's absence, never by the wording of finish_reason.message.
+            routed = None
         elif meta.get("routed_experts") is not None:
             routing_bytes = len(meta["routed_experts"])
             routed = decode_routing(meta["routed_experts"], info, req.rid, url)
