@@ -76,11 +76,8 @@ class _Transport:
                 await r.aread()
             finally:
                 await r.aclose()
-        except httpx.TimeoutException as exc:
-            await self._abort_quietly(server, req.rid)
-            raise _ServerFailed(f"timed out ({type(exc).__name__})", dead=False) from None
         except _TRANSPORT_ERRORS as exc:
-            raise _ServerFailed(f"{type(exc).__name__}: {exc}", dead=not await self._healthy(server)) from None
+            raise await self._failed_try(server, req.rid, exc, stream=False) from None
         server.bytes_in += len(r.content)
         check_status(server.url, req.rid, r.status_code, r.text)
         try:
@@ -108,16 +105,22 @@ class _Transport:
                         break
             finally:
                 await r.aclose()
-        except httpx.TimeoutException as exc:
-            await self._abort_quietly(server, req.rid)
-            raise _ServerFailed(f"stream timed out ({type(exc).__name__})", dead=False) from None
         except _TRANSPORT_ERRORS as exc:
-            raise _ServerFailed(f"stream cut off: {type(exc).__name__}: {exc}",
-                                dead=not await self._healthy(server)) from None
+            raise await self._failed_try(server, req.rid, exc, stream=True) from None
         except json.JSONDecodeError:
             raise _ServerFailed("malformed SSE event", dead=False) from None
         server.bytes_in += sse.nbytes
         return sse.result(), sse.nbytes
+
+    async def _failed_try(self, server: ServerState, rid: str, exc: httpx.TransportError, *,
+                          stream: bool) -> _ServerFailed:
+        """The failure of a try that raised ``exc``: a timeout (the try is aborted on its server,
+        which stays live) or a transport error (dead unless ``/health`` still answers)."""
+        if isinstance(exc, httpx.TimeoutException):
+            await self._abort_quietly(server, rid)
+            return _ServerFailed(f"{'stream ' if stream else ''}timed out ({type(exc).__name__})", dead=False)
+        return _ServerFailed(f"{'stream cut off: ' if stream else ''}{type(exc).__name__}: {exc}",
+                             dead=not await self._healthy(server))
 
     async def _abort_quietly(self, server: ServerState, rid: str) -> None:
         try:
