@@ -292,6 +292,38 @@ def test_mock_server_side_abort_is_resubmitted_once_and_not_duplicated():
     assert c.resubmitted == 1 and [rid for _, p, rid in calls if p == "/generate"] == ["ab", "ab"]
 
 
+@pytest.mark.parametrize("message", ["Abort before prefill", "aborted while queued"])
+def test_mock_own_abort_before_prefill_needs_no_routing_whatever_the_message(message):
+    """A request this client aborted before the server computed any KV comes back with no output
+    and no routed_experts: a partial sample without routing, told by the missing field (never by
+    the wording of finish_reason.message)."""
+    async def go():
+        aborted = asyncio.Event()
+
+        async def handler(request: httpx.Request):
+            if request.url.path == "/model_info":
+                return httpx.Response(200, json=MODEL_INFO)
+            body = json.loads(request.content)
+            if request.url.path == "/abort_request":
+                aborted.set()
+                return httpx.Response(200, json={"success": True, "num_aborted": 1})
+            await aborted.wait()
+            return httpx.Response(200, json={"text": "", "output_ids": [], "meta_info": {
+                "id": body["rid"], "finish_reason": {"type": "abort", "message": message},
+                "prompt_tokens": 3, "completion_tokens": 0, "output_token_logprobs": []}})
+        c = RolloutClient(["http://s0"], routing_format="int32", transport=httpx.MockTransport(handler),
+                          retry_backoff_s=0.0)
+        async with c:
+            task = asyncio.ensure_future(c.generate([1, 2, 3], SP, rid="queued"))
+            while c.loads()["http://s0"]["outstanding"] == 0:
+                await asyncio.sleep(0.01)
+            assert await c.abort() == 1
+            return await task, c.resubmitted
+    s, resubmitted = arun(go())
+    assert s.meta["finish_reason"] == "abort" and s.response_length == 0 and s.routed_experts is None
+    assert resubmitted == 0
+
+
 @pytest.mark.parametrize("routing, match", [
     (np.zeros((5, 2, 2), dtype=np.int32), "repeats an expert id"),          # duplicate ids in a row
     (np.full((5, 2, 2), 9, dtype=np.int32), r"outside \[0, 4\)"),           # id out of range

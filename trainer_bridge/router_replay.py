@@ -43,31 +43,17 @@ would silently use live routing (a warning is issued when that situation is dete
 """
 from __future__ import annotations
 
-import re
-import sys
 import warnings
-from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 from torch import nn
 
+from .routers import Router, discover_routers, gate_weights, sigmoid_gate_weights
+
 __all__ = ["RouterReplay", "check_routed_experts"]
 
 MODES = ("off", "record", "replay")
-
-_HF_ROUTERS = {
-    "Qwen3MoeTopKRouter": lambda m: bool(m.norm_topk_prob),
-    "Qwen2MoeTopKRouter": lambda m: bool(m.norm_topk_prob),
-    "OlmoeTopKRouter": lambda m: bool(m.norm_topk_prob),
-    "MixtralTopKRouter": lambda m: True,
-    "DeepseekV3TopkRouter": lambda m: bool(m.norm_topk_prob),
-    "Glm4MoeTopkRouter": lambda m: bool(m.norm_topk_prob),
-}
-# routers whose weights are sigmoid scores times routed_scaling_factor (grouped, bias-chosen ids)
-_SIGMOID_ROUTERS = ("DeepseekV3TopkRouter", "Glm4MoeTopkRouter")
-_LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
-
 
 def _in_backward() -> bool:
     """True while autograd executes a backward pass (i.e. activation recomputation).
@@ -115,108 +101,6 @@ def check_routed_experts(routed: torch.Tensor, *, num_experts: int, top_k: int,
                              f"{sub[row, li].tolist()}; each MoE row needs {top_k} distinct ids")
 
 
-@dataclass(eq=False)
-class _Router:
-    """One router (or DeepSpeed gate) and its per-context state."""
-    module: nn.Module
-    name: str
-    layer: int
-    kind: str  # "hf" | "deepspeed"
-    renormalize: bool
-    top_k: int
-    num_experts: int
-    scaling: Optional[float] = None  # sigmoid routers: routed_scaling_factor; None: softmax rule
-    handle: object = None
-    ids: Optional[torch.Tensor] = None  # [num_tokens, top_k] int64, replayed ids of this layer
-    live: Optional[torch.Tensor] = None  # [tokens, top_k] live top-k of the last forward call
-    logits: Optional[torch.Tensor] = None  # [tokens, num_experts] of the last forward call
-    forward_calls: int = 0
-    grad_forward_calls: int = 0
-    recompute_calls: int = 0
-    saved_forward: object = field(default=None)
-
-    def replay_ids(self, n: int, device: torch.device) -> torch.Tensor:
-        if self.ids.shape[0] != n:
-            raise ValueError(
-                f"router {self.name!r} (layer {self.layer}) saw {n} token rows but routed_experts has "
-                f"{self.ids.shape[0]}: routing must be [B*T, num_layers, top_k] (or [B, T, ...]) for "
-                "input_ids [B, T], packed with the same index map as the tokens")
-        if self.ids.device != device:
-            self.ids = self.ids.to(device)
-        return self.ids
-
-
-def _gate_weights(logits: torch.Tensor, ids: torch.Tensor, renormalize: bool) -> torch.Tensor:
-    """[tokens, top_k] gate weights of the replayed ids from the router's own logits (fp32).
-
-    Same op sequence as transformers' routers (softmax in fp32, top values, in-place
-    renormalisation), so replaying the live ids reproduces them bit for bit.
-    """
-    probs = torch.nn.functional.softmax(logits, dtype=torch.float, dim=-1)
-    weights = probs.gather(1, ids)
-    if renormalize:
-        weights /= weights.sum(dim=-1, keepdim=True)
-    return weights
-
-
-def _sigmoid_gate_weights(logits: torch.Tensor, ids: torch.Tensor, renormalize: bool,
-                          scaling: float) -> torch.Tensor:
-    """[tokens, top_k] DeepSeek-V3 / GLM-4.5 gate weights of the replayed ids: unbiased sigmoid
-    scores (fp32), optionally normalised, times routed_scaling_factor; transformers' op sequence."""
-    weights = logits.float().sigmoid().gather(1, ids)
-    if renormalize:
-        weights /= weights.sum(dim=-1, keepdim=True) + 1e-20
-    return weights * scaling
-
-
-def _find_config(model: nn.Module):
-    for m in (model, getattr(model, "module", None)):
-        cfg = getattr(m, "config", None)
-        if cfg is not None and hasattr(cfg, "num_hidden_layers"):
-            return cfg
-    return None
-
-
-def _discover(model: nn.Module) -> tuple[list[_Router], int]:
-    found: list[tuple[str, nn.Module, str]] = []
-    ds_gate = None
-    if "deepspeed.moe.sharded_moe" in sys.modules:  # NOTE: never import deepspeed just to look
-        ds_gate = sys.modules["deepspeed.moe.sharded_moe"].TopKGate
-    for name, m in model.named_modules():
-        mro = {c.__name__ for c in type(m).__mro__}
-        hf = next((c for c in _HF_ROUTERS if c in mro), None)
-        if hf is not None:
-            found.append((name, m, hf))
-        elif ds_gate is not None and isinstance(m, ds_gate):
-            found.append((name, m, "deepspeed"))
-    if not found:
-        raise ValueError(f"RouterReplay: no supported MoE router in {type(model).__name__} (supported: "
-                         f"transformers 5.x {sorted(_HF_ROUTERS)} and deepspeed TopKGate)")
-    matches = [_LAYER_RE.findall(name) for name, _, _ in found]
-    cfg = _find_config(model)
-    if all(matches) and len({int(mt[-1]) for mt in matches}) == len(found):
-        layers = [int(mt[-1]) for mt in matches]
-        num_layers = max(max(layers) + 1, int(cfg.num_hidden_layers) if cfg is not None else 0)
-    else:  # modules not under `layers.N`: number the routers in module order
-        layers = list(range(len(found)))
-        num_layers = len(found)
-    routers = []
-    for (name, m, kind), layer in zip(found, layers):
-        if kind == "deepspeed":
-            routers.append(_Router(m, name, layer, "deepspeed", renormalize=m.k > 1, top_k=int(m.k),
-                                   num_experts=int(m.wg.weight.shape[0])))
-        else:
-            routers.append(_Router(m, name, layer, "hf", renormalize=_HF_ROUTERS[kind](m),
-                                   top_k=int(m.top_k), num_experts=int(m.num_experts),
-                                   scaling=float(m.routed_scaling_factor) if kind in _SIGMOID_ROUTERS else None))
-    ks = {r.top_k for r in routers}
-    es = {r.num_experts for r in routers}
-    if len(ks) != 1 or len(es) != 1:
-        raise ValueError(f"RouterReplay: routers disagree on top_k {sorted(ks)} / num_experts {sorted(es)}")
-    routers.sort(key=lambda r: r.layer)
-    return routers, num_layers
-
-
 class RouterReplay:
     """Scoped router record/replay over a model; see the module docstring.
 
@@ -246,7 +130,7 @@ class RouterReplay:
                 raise ValueError("RouterReplay(mode='off') takes no routed_experts")
             self.routers, self.num_layers = [], 0
             return
-        self.routers, self.num_layers = _discover(model)
+        self.routers, self.num_layers = discover_routers(model)
         for r in self.routers:
             if r.kind == "deepspeed":
                 from .ds_gating import check_gate
@@ -386,7 +270,7 @@ class RouterReplay:
                 del r.module._router_replay_active
 
     # ---- per call
-    def _note_call(self, r: _Router) -> bool:
+    def _note_call(self, r: Router) -> bool:
         """Count a router call; True for a forward call, False for a recompute in backward."""
         if _in_backward():
             r.recompute_calls += 1
@@ -395,7 +279,7 @@ class RouterReplay:
         r.grad_forward_calls += int(torch.is_grad_enabled())
         return True
 
-    def _make_hf_hook(self, r: _Router):
+    def _make_hf_hook(self, r: Router):
         def hook(module, args, output):
             if not (isinstance(output, tuple) and len(output) == 3):
                 raise TypeError(f"router {r.name!r} returned {type(output).__name__}; expected "
@@ -410,9 +294,9 @@ class RouterReplay:
                 return None
             ids = r.replay_ids(logits.shape[0], logits.device)
             if r.scaling is None:
-                weights = _gate_weights(logits, ids, r.renormalize)
+                weights = gate_weights(logits, ids, r.renormalize)
             else:
-                weights = _sigmoid_gate_weights(logits, ids, r.renormalize, r.scaling)
+                weights = sigmoid_gate_weights(logits, ids, r.renormalize, r.scaling)
             weights = weights.to(live_w.dtype)
             return logits, weights, ids
         return hook
