@@ -36,8 +36,9 @@ from rollout.server.generate_request import ERROR_PARAMS, GenerateCall, as_respo
 from rollout.server.generate_stream import GenerateStream
 from rollout.server.health import GenerateHealth
 from rollout.server.ignored_fields import IgnoredFields
-from rollout.server.openai_api import (ApiError, ClientGone, EngineStream, OpenAIServing, SSEResponse, error_body,
-                                json_response, param_of)
+from rollout.server.engine_stream import ClientGone, EngineStream
+from rollout.server.openai_serving import OpenAIServing
+from rollout.server.responses import ApiError, SSEResponse, error_body, json_response, param_of
 from rollout.output import RolloutOutput
 from rollout.server.args import ServerArgs
 from rollout.server.request_models import install_openapi

@@ -14,7 +14,7 @@ from starlette.responses import Response
 from rollout.core.engine_core import EngineCore
 from rollout.server.generate_request import typed
 from rollout.server.ignored_fields import FieldPolicy, IgnoredFields
-from rollout.server.openai_api import ApiError, json_response
+from rollout.server.responses import ApiError, json_response
 from rollout.server.args import ServerArgs
 from rollout.server.weight_updater import WeightUpdateError, WeightUpdater
 
