@@ -16,6 +16,7 @@ import torch
 from capture.buffer_sizing import ForwardShapeLimits, capture_buffer_rows
 from capture.capturer import RoutedExpertsCapturer
 from rollout.config import EngineConfig
+from rollout.core.engine_control import EngineControl
 from rollout.core.host_malloc import tune_glibc_malloc
 from rollout.core.kv_pool import KVPool
 from rollout.ipc.messages import ReqUpdate, floats, ints
@@ -33,13 +34,12 @@ from rollout.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 DEFAULT_KV_CACHE_BYTES = 512 * 2**20
-PAUSE_MODES = ("abort", "retract", "in_place")
 ABORT_MESSAGE = "aborted by request"
 ABORT_BEFORE_PREFILL = "Abort before prefill"   # SGLang's message for a request that computed no KV
 CONTROL_BUDGET_S = 0.01  # answers to aborted waiting requests per step; the rest follow next steps
 
 
-class EngineCore:
+class EngineCore(EngineControl):
     def __init__(self, cfg: EngineConfig, *, ep_group: Optional[Any] = None):
         """One DP rank's engine. ep_group: this rank's EPGroup when dp_size > 1 (a DP worker builds
         it: rollout/core/engine_proc.py, one process per rank)."""
@@ -188,22 +188,6 @@ class EngineCore:
     @property
     def capture_enabled(self) -> bool:
         return self.capturer is not None
-
-    def stats_report(self) -> dict:
-        return dict(self.stats, num_retractions=self.scheduler.num_retractions, kv_used=self.kv_pool.used(),
-                    kv_total=self.kv_pool.num_slots, running=len(self.scheduler.running),
-                    waiting=len(self.scheduler.waiting),
-                    capture_buffer_bytes=self.capturer.buffer.nbytes if self.capturer is not None else 0,
-                    capture_store_bytes=self.capturer.store.nbytes if self.capturer is not None else 0)
-
-    def recent_layouts(self) -> list:
-        """The GatherLayouts of the latest forwards (oldest first), for tests and debugging."""
-        return list(self.runner.recent_layouts)
-
-    def close(self) -> None:
-        """Removes a released-weights file, if any ."""
-        if self._memory_saver is not None:
-            self._memory_saver.discard()
 
     # ---- stepping ------------------------------------------------------------------------------
     def step(self) -> None:
@@ -400,111 +384,3 @@ class EngineCore:
         req.state = ReqState.FINISHED
         req.finish_reason = reason
         self.stats["finished_requests"] += 1
-
-    # ---- server support ----
-    # NOTE: class-level defaults, so the constructor above needs no change.
-    PAUSE_MODES = PAUSE_MODES
-    paused_mode: Optional[str] = None      # None (running) | "abort" | "retract" | "in_place"
-    _admission_holds: int = 0              # > 0 while weight updates wait for earlier requests
-
-    def _may_step(self) -> bool:
-        """Whether the engine thread should step: never while paused; while a weight update holds
-        admission, only for the requests that arrived before it (an idle queue never spins)."""
-        if self.paused_mode is not None or self.released_memory:
-            return False
-        return not self._admission_holds or self.scheduler.has_admissible()
-
-    def pause(self, mode: str) -> int:
-        """Stops scheduling until resume(). abort: finish every request as aborted; retract: move
-        running requests back to the queue (KV freed, tokens kept); in_place: keep everything.
-        Requests added while paused wait in the queue. Returns the requests aborted/retracted/held."""
-        if mode not in self.PAUSE_MODES:
-            raise ValueError(f"mode must be one of {list(self.PAUSE_MODES)}, got {mode!r}")
-        if mode == "abort":
-            count = self.abort_all()
-        elif mode == "retract":
-            count = self.retract_running()
-        else:
-            count = len(self.scheduler.running)
-        self.paused_mode = mode
-        return count
-
-    def resume(self) -> bool:
-        was_paused = self.paused_mode is not None
-        self.paused_mode = None
-        return was_paused
-
-    def retract_running(self) -> int:
-        # newest first: each goes to the queue's front, so the oldest ends up first again
-        running = sorted(self.scheduler.running, key=lambda r: r.admit_seq, reverse=True)
-        for req in running:
-            self.scheduler.retract(req)
-        return len(running)
-
-    def hold_admission(self) -> None:
-        """Requests that arrive from now on are not admitted until release_admission(); those
-        already here (running or waiting) run to the end, on the current weights (as SGLang's
-        weight updates wait for the requests in flight)."""
-        if self._admission_holds == 0:
-            self.scheduler.hold_admission()
-        self._admission_holds += 1
-
-    def release_admission(self) -> None:
-        assert self._admission_holds > 0
-        self._admission_holds -= 1
-        if self._admission_holds == 0:
-            self.scheduler.release_admission()
-
-    def try_swap_weights(self, staged: dict[str, torch.Tensor], weight_version: Optional[str]) -> Optional[int]:
-        """Copies validated, staged HF-named tensors into the model once the requests that arrived
-        before hold_admission() are done.
-
-        Returns the tensor count, or None while such requests still run or wait (call again after
-        a step). Paused in_place, the running requests are retracted first: their KV came from the
-        old weights; their tokens, logprobs and (saved) routing so far are kept.
-        """
-        from rollout.models.loader import load_state_dict_from_tensors  # noqa: PLC0415
-
-        if "weights" in self.released_memory:
-            raise ValueError("the weights are released (release_memory_occupation): resume them first")
-        if self.paused_mode is not None and self.scheduler.running:
-            self.retract_running()
-        if self.scheduler.running or (self.paused_mode is None and self.scheduler.has_admissible()):
-            return None
-        count = load_state_dict_from_tensors(self.model, staged)
-        flushed = self.cache.flush()
-        assert flushed, "prefix cache still locked with no running request"
-        if weight_version is not None:
-            self.weight_version = weight_version
-        self.stats["weight_updates"] = self.stats.get("weight_updates", 0) + 1
-        return count
-
-    _memory_saver: Any = None
-
-    @property
-    def released_memory(self) -> tuple[str, ...]:
-        """The memory tags now released ("weights", "kv_cache"); nothing steps while any is."""
-        return self._memory_saver.released if self._memory_saver is not None else ()
-
-    def release_memory(self, tags: tuple[str, ...]) -> list[str]:
-        from rollout.core.memory_saver import MemorySaver  # noqa: PLC0415
-
-        if self._memory_saver is None:
-            self._memory_saver = MemorySaver(self)
-        return self._memory_saver.release(tags)
-
-    def resume_memory(self, tags: tuple[str, ...]) -> list[str]:
-        return self._memory_saver.resume(tags) if self._memory_saver is not None else []
-
-    def set_weight_version(self, version: str) -> None:
-        """Relabels the weights (SGLang's /update_weight_version); nothing else changes."""
-        self.weight_version = version
-
-    def load_report(self) -> list[dict]:
-        """Running/waiting requests and KV use per DP rank (one rank in this process)."""
-        used, total = self.kv_pool.used(), self.kv_pool.num_slots
-        return [{"dp_rank": 0, "num_running_reqs": len(self.scheduler.running),
-                 "num_waiting_reqs": len(self.scheduler.waiting), "num_used_tokens": used,
-                 "update_waits": int(self._admission_holds > 0 and self.scheduler.has_admissible()),
-                 "num_cached_tokens": self.cache.total_size(), "max_total_num_tokens": total,
-                 "token_usage": used / total if total else 0.0, **self._expert_report}]

@@ -2,8 +2,8 @@
 
 The engine loop runs in a process of its own (one per DP rank) behind an EngineClient
 (rollout/frontend/); this front end owns tokenization, detokenization and stop strings, and
-keeps every request's state: one RequestState per sample, one index from rids (an n > 1
-request's rid and each sample's rid_k) to their uids.
+keeps every request's state: one RequestState per sample, in a RequestTable that also finds
+them by rid (an n > 1 request's rid and each sample's rid_k).
 """
 from __future__ import annotations
 
@@ -19,10 +19,11 @@ from capture.gather_layout import GatherLayout
 from rollout.config import EngineConfig
 from rollout.frontend.async_generation import AsyncGeneration
 from rollout.frontend.async_inbox import AsyncInbox
-from rollout.frontend.engine_client import EngineClient, EngineDeadError, RidInFlightError
+from rollout.frontend.engine_client import EngineClient, EngineDeadError
 from rollout.frontend.loop_feeder import LoopFeeder
 from rollout.frontend.request_builder import ParamsArg, RequestBuilder
 from rollout.frontend.request_state import RequestState, RoutingShape
+from rollout.frontend.request_table import RequestTable
 from rollout.ipc.messages import ReqSpec, ReqUpdate
 from rollout.models.registry import architecture_of, model_class, read_config, resolve_dtype
 from rollout.output import RolloutOutput
@@ -59,10 +60,9 @@ class Rollout:
         self._model_cls = model_class(architecture_of(hf_cfg))
         self.info = self._model_cls.spec_from_config(hf_cfg, gen).info
         self.tokenizer = Tokenizer(config.resolved_tokenizer_path)
-        self._lock = threading.Lock()
+        self._requests = RequestTable()
         self._feeders: dict[Any, LoopFeeder] = {}   # event loop -> its feeder (async_inbox)
-        self._states: dict[int, RequestState] = {}
-        self._rids: dict[str, list[int]] = {}
+        self._feeders_lock = threading.Lock()
         self._dead_listeners: list[Callable[[str], None]] = []
         self._meta_model: Optional[torch.nn.Module] = None
         self._stopping = False
@@ -87,40 +87,15 @@ class Rollout:
     # ---- what the engine sends -----------------------------------------------------------------
     def _on_updates(self, updates: list[ReqUpdate]) -> None:
         """Runs on the client's receiver thread (the engine thread, in-process)."""
-        deliveries = []
-        stopped: list[int] = []
-        with self._lock:
-            for upd in updates:
-                st = self._states.get(upd.uid)
-                if st is None:
-                    continue  # NOTE: finished here already (a stop string hit); the engine's abort follows
-                items, stop_hit = st.apply(upd)
-                if stop_hit:
-                    stopped.append(upd.uid)
-                if st.done:
-                    self._forget(st)
-                if items:
-                    deliveries.append((st.sink, items))
+        deliveries, stopped = self._requests.apply(updates)
         if stopped:
             self._client.abort(stopped, "stop string matched")
         for sink, items in deliveries:
             for item in items:
                 sink(item)
 
-    def _forget(self, st: RequestState) -> None:
-        del self._states[st.uid]
-        for key in {st.rid, st.group_rid}:
-            uids = self._rids.get(key)
-            if uids is not None:
-                uids.remove(st.uid)
-                if not uids:
-                    del self._rids[key]
-
     def _on_dead(self, reason: str) -> None:
-        with self._lock:
-            states = list(self._states.values())
-            self._states.clear()
-            self._rids.clear()
+        states = self._requests.clear()
         if not self._stopping:
             logger.error("engine stopped: %s", reason)
         err = EngineDeadError(f"engine stopped: {reason}")
@@ -158,22 +133,11 @@ class Rollout:
     def _submit(self, groups: Groups, sink: Callable[[Any], None]) -> list[str]:
         self._check_alive()
         states = [st for group in groups for _, st in group]
-        with self._lock:
-            clash = [st.rid for st in states if st.rid in self._rids or st.group_rid in self._rids]
-            if clash:
-                raise RidInFlightError(f"rid {clash[0]!r} is already in flight; rids must be unique")
-            for st in states:
-                st.sink = sink
-                self._states[st.uid] = st
-                for key in {st.rid, st.group_rid}:
-                    self._rids.setdefault(key, []).append(st.uid)
+        self._requests.add(states, sink)
         try:
             self._client.add([[spec for spec, _ in group] for group in groups])
         except EngineDeadError:
-            with self._lock:
-                for st in states:
-                    if st.uid in self._states:
-                        self._forget(st)
+            self._requests.discard(states)
             raise
         return [st.rid for st in states]
 
@@ -227,7 +191,7 @@ class Rollout:
         import asyncio  # noqa: PLC0415
 
         loop = asyncio.get_running_loop()
-        with self._lock:
+        with self._feeders_lock:
             feeder = self._feeders.get(loop)
             if feeder is None:
                 for old in [lp for lp in self._feeders if lp.is_closed()]:
@@ -259,22 +223,18 @@ class Rollout:
                              cache_salt, logprob_start_len)
         return self._submit(groups, sink)
 
-    def _uids_of(self, rids: Sequence[str]) -> list[int]:
-        with self._lock:
-            return [uid for r in rids for uid in self._rids.get(r, ())]
-
     def abort(self, rid: str) -> bool:
         """Aborts a request (or every sample of an n>1 request) at any stage; its output says abort.
         False when no such request is in flight."""
         self._check_alive()
-        uids = self._uids_of([rid])
+        uids = self._requests.uids_of([rid])
         self._client.abort(uids)
         return bool(uids)
 
     def abort_nowait(self, rids: Sequence[str]) -> None:
         """Queues aborts without waiting (safe from an event loop); unknown or finished ids are ignored."""
         if self._client.dead_reason is None:
-            self._client.abort(self._uids_of(rids))
+            self._client.abort(self._requests.uids_of(rids))
 
     def abort_all(self) -> int:
         return sum(self._call("abort_all"))
@@ -351,35 +311,6 @@ class Rollout:
 
     def set_weight_version(self, version: str, *, abort_all_requests: bool = False) -> int:
         """Relabels the weights (outputs finished from now on carry it); returns the requests aborted."""
-        def relabel(core: EngineCore) -> int:
-            aborted = core.abort_all() if abort_all_requests else 0
-            core.set_weight_version(version)
-            return aborted
-        return self._call(relabel)
-
-    @property
-    def released_memory(self) -> tuple[str, ...]:
-        """Memory tags released by release_memory_occupation (no request runs while any is)."""
-        return self._core.released_memory if self.config.dp_size == 1 else ()
-
-    def release_memory_occupation(self, tags: Any = None) -> list[str]:
-        """Frees the KV pool ("kv_cache") and/or the weights' storage ("weights"; kept in a temporary
-        file) for a colocated trainer; tags None: both. Returns the tags released now."""
-        from rollout.core.memory_saver import parse_tags  # noqa: PLC0415
-
-        if self.config.dp_size > 1:
-            raise ValueError("release_memory_occupation is not supported with dp_size > 1")
-        parsed = parse_tags(tags)
-        return self._call(lambda core: core.release_memory(parsed))
-
-    def resume_memory_occupation(self, tags: Any = None) -> list[str]:
-        from rollout.core.memory_saver import parse_tags  # noqa: PLC0415
-
-        parsed = parse_tags(tags)
-        return self._call(lambda core: core.resume_memory(parsed)) if self.config.dp_size == 1 else []
-
-    def set_weight_version(self, version: str, *, abort_all_requests: bool = False) -> int:
-        """Relabels the weights (outputs finished from now on carry it); returns the requests aborted."""
         aborted = sum(self._call("set_weight_version", version, abort_all_requests))
         self.weight_version = version
         return aborted
@@ -392,22 +323,20 @@ class Rollout:
     def release_memory_occupation(self, tags: Any = None) -> list[str]:
         """Frees the KV pool ("kv_cache") and/or the weights' storage ("weights"; kept in a temporary
         file) for a colocated trainer; tags None: both. Returns the tags released now."""
-        from rollout.core.memory_saver import parse_tags  # noqa: PLC0415
-
         if self.config.dp_size > 1:
             raise ValueError("release_memory_occupation is not supported with dp_size > 1")
-        released = self._call("release_memory", list(parse_tags(tags)))[0]
-        self._builder.released_memory = tuple(self._call("released_memory")[0])
-        return released
+        return self._memory_call("release_memory", tags)
 
     def resume_memory_occupation(self, tags: Any = None) -> list[str]:
+        return self._memory_call("resume_memory", tags) if self.config.dp_size == 1 else []
+
+    def _memory_call(self, command: str, tags: Any) -> list[str]:
+        """release_memory / resume_memory on the (one) rank; the tags it acted on."""
         from rollout.core.memory_saver import parse_tags  # noqa: PLC0415
 
-        if self.config.dp_size > 1:
-            return []
-        resumed = self._call("resume_memory", list(parse_tags(tags)))[0]
+        done = self._call(command, list(parse_tags(tags)))[0]
         self._builder.released_memory = tuple(self._call("released_memory")[0])
-        return resumed
+        return done
 
     def loads(self) -> list[dict]:
         out = []
@@ -457,11 +386,6 @@ class Rollout:
         return self._client.kv_capacity
 
     @property
-    def num_in_flight(self) -> int:
-        """Requests submitted and not yet answered."""
-        return len(self._inflight)
-
-    @property
     def is_alive(self) -> bool:
         return self._client.dead_reason is None and not self._stopping
 
@@ -473,4 +397,4 @@ class Rollout:
     @property
     def num_in_flight(self) -> int:
         """Requests submitted and not yet answered."""
-        return len(self._states)
+        return len(self._requests)

@@ -11,10 +11,11 @@ from fastapi import FastAPI
 from starlette.requests import Request
 from starlette.responses import Response
 
-from rollout.core.engine_core import EngineCore
+from rollout.core.engine_control import PAUSE_MODES
 from rollout.server.generate_request import typed
 from rollout.server.ignored_fields import FieldPolicy, IgnoredFields
-from rollout.server.openai_api import ApiError, json_response
+from rollout.server.request_body import read_json
+from rollout.server.responses import ApiError, json_response
 from rollout.server.args import ServerArgs
 from rollout.server.weight_updater import WeightUpdateError, WeightUpdater
 
@@ -52,8 +53,8 @@ def _port(value: Any) -> Any:
 
 
 def add_control_routes(app: FastAPI, *, engine: Any, args: ServerArgs, updater: WeightUpdater,
-                       read_json: Callable[..., Awaitable[dict]], blocking: Callable[..., Awaitable[Any]],
-                       weight_pool: ThreadPoolExecutor, ignored: IgnoredFields) -> None:
+                       blocking: Callable[..., Awaitable[Any]], weight_pool: ThreadPoolExecutor,
+                       ignored: IgnoredFields) -> None:
     def is_admin(request: Request) -> bool:
         return not args.admin_api_key or request.state.auth_level == "admin"
 
@@ -76,8 +77,8 @@ def add_control_routes(app: FastAPI, *, engine: Any, args: ServerArgs, updater: 
     async def pause_generation(request: Request) -> Response:
         body = PAUSE.screen(await read_json(request, allow_empty=True), ignored)
         mode = body.get("mode") or "abort"
-        if mode not in EngineCore.PAUSE_MODES:
-            raise ApiError(400, f"mode must be one of {list(EngineCore.PAUSE_MODES)}, got {mode!r}"[:300],
+        if mode not in PAUSE_MODES:
+            raise ApiError(400, f"mode must be one of {list(PAUSE_MODES)}, got {mode!r}"[:300],
                            param="mode")
         count = await blocking(engine.pause_generation, mode)
         return json_response({"status": "ok", "message": "Generation paused successfully.", "success": True,

@@ -7,7 +7,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 from rollout.server.ignored_fields import FieldPolicy, IgnoredFields
-from rollout.server.openai_api import ApiError, check_routing_format, encode_rows
+from rollout.server.responses import ApiError
+from rollout.server.routing_format import check_routing_format, encode_rows
 from rollout.output import RolloutOutput
 
 GENERATE = FieldPolicy(

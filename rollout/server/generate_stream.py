@@ -13,7 +13,8 @@ from typing import Any, AsyncIterator, Callable
 
 from rollout.frontend.api import EngineDeadError
 from rollout.server.generate_request import GenerateCall
-from rollout.server.openai_api import EngineStream, error_body, sse
+from rollout.server.engine_stream import EngineStream
+from rollout.server.responses import error_body, sse
 from rollout.stream_chunk import StreamChunk
 
 

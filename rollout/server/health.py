@@ -1,4 +1,5 @@
-"""GenerateHealth: `/health_generate` as SGLang means it: the engine is alive when it finishes a step.
+"""GenerateHealth: `/health_generate` as SGLang means it: the engine is alive when it finishes a step;
+add_health_routes adds it and `/health`.
 
 A busy engine (requests in flight) proves it by finishing its next step; nothing is added to its
 queue. Only an idle engine gets a one-token probe request, which then runs at once (it queues
@@ -9,6 +10,13 @@ from __future__ import annotations
 import asyncio
 import time
 from typing import Any, Callable
+
+from fastapi import FastAPI
+from starlette.requests import Request
+from starlette.responses import Response
+
+from rollout.server.engine_stream import EngineStream
+from rollout.server.responses import error_body, json_response
 
 HEALTH_CHECK_TIMEOUT_S = 20.0   # SGLang's default HEALTH_CHECK_TIMEOUT
 
@@ -49,3 +57,26 @@ class GenerateHealth:
                 task.cancel()
                 probe.close()
         return 503, {"status": "error", "message": f"the engine finished no step in {self.timeout_s:g} s"}
+
+
+def add_health_routes(app: FastAPI, engine: Any) -> None:
+    """/health (the engine process is alive) and /health_generate (it finishes steps)."""
+    info = engine.info
+    generate_health = GenerateHealth(engine)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not engine.is_alive:
+            return json_response(error_body("the engine stopped", "server_error", code=503), 503)
+        return json_response({"status": "ok"})
+
+    @app.get("/health_generate")
+    async def health_generate(request: Request) -> Response:
+        def probe() -> EngineStream:
+            return EngineStream(engine, input_ids=[[min(3, info.vocab_size - 1)]],
+                                sampling_params={"max_new_tokens": 1, "temperature": 0.0})
+
+        status, body = await generate_health.check(probe, request)
+        if status != 200:
+            return json_response(error_body(body["message"], "server_error", code=status), status)
+        return json_response(body)

@@ -9,7 +9,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Iterable
 
-from rollout.server.openai_api import ApiError
+from rollout.server.responses import ApiError
 
 logger = logging.getLogger("rollout.server")
 MAX_TRACKED_NAMES = 256   # NOTE: names come from clients: bound the metric's label set

@@ -1,13 +1,18 @@
 """ServerInfo: the `/model_info` and `/server_info` answers in SGLang's shape (its ServerArgs names and
-get_model_info fields), with this server's own fields added (routed-expert shape, DP loads)."""
+get_model_info fields), with this server's own fields added (routed-expert shape, DP loads).
+add_info_routes serves them (and /v1/loads); add_debug_routes serves /debug/integrity."""
 from __future__ import annotations
 
 import json
 import os
 import time
-from typing import Any
+from typing import Any, Awaitable, Callable
+
+from fastapi import FastAPI
+from starlette.responses import Response
 
 from rollout.server.args import ServerArgs
+from rollout.server.responses import json_response
 
 VERSION = "0.1.0"
 
@@ -69,3 +74,36 @@ class ServerInfo:
                 "paused": self.engine.paused_mode, "model_info": self.model_info(),
                 "max_total_num_tokens": self.engine.kv_capacity, "max_req_input_len": self.engine.context_length - 1,
                 "internal_states": internal, "started": self.started}
+
+
+def add_info_routes(app: FastAPI, *, engine: Any, args: ServerArgs, blocking: Callable[..., Awaitable[Any]]) -> None:
+    """/model_info, /server_info (and their SGLang /get_* names) and /v1/loads."""
+    server_info = ServerInfo(engine, args)
+
+    @app.get("/model_info")
+    @app.get("/get_model_info")
+    async def get_model_info() -> Response:
+        return json_response(server_info.model_info())
+
+    @app.get("/server_info")
+    @app.get("/get_server_info")
+    async def get_server_info() -> Response:
+        return json_response(server_info.server_info(await blocking(engine.stats), await blocking(engine.loads)))
+
+    @app.get("/v1/loads")
+    async def v1_loads() -> Response:
+        loads = await blocking(engine.loads)
+        return json_response({"dp_size": engine.config.dp_size, "paused": engine.paused_mode, "loads": loads})
+
+
+def add_debug_routes(app: FastAPI, *, engine: Any, blocking: Callable[..., Awaitable[Any]]) -> None:
+    """/debug/integrity (--enable-debug-endpoints): the scheduler's KV bookkeeping checked on every rank."""
+    @app.get("/debug/integrity")
+    async def debug_integrity() -> Response:
+        await blocking(engine.check_integrity)
+        stats = await blocking(engine.stats)
+        loads = await blocking(engine.loads)
+        return json_response({"ok": True, "kv_used": stats["kv_used"], "kv_total": stats["kv_total"],
+                              "cached_tokens": sum(ld["num_cached_tokens"] for ld in loads),
+                              "running": stats["running"],
+                              "waiting": stats["waiting"], "paused": engine.paused_mode})

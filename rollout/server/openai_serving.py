@@ -1,201 +1,25 @@
-"""OpenAI-style /v1/completions, /v1/chat/completions and /v1/models, plus the pieces every
-endpoint shares: the JSON error shape, JSON rendering and EngineStream (one submitted generation
-consumed from the event loop, aborted when its client goes away)."""
+"""OpenAIServing: the OpenAI-style /v1/completions, /v1/chat/completions and /v1/models answers."""
 from __future__ import annotations
 
 import asyncio
-import json
-import math
-import re
 import time
 import uuid
 from typing import Any, AsyncIterator, Callable, Optional
 
-import orjson
 from starlette.requests import Request
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
 
 from rollout.output import RolloutOutput
+from rollout.server.engine_stream import EngineStream
+from rollout.server.responses import ApiError, SSEResponse, json_response, param_of, sse
+from rollout.server.routing_format import check_routing_format, encode_rows
 from rollout.stream_chunk import StreamChunk
 
-KEEPALIVE_S = 5.0
-ROUTING_FORMATS = ("int32", "compact")
 # NOTE: "stream_options", "user", "metadata" and similar OpenAI fields that do not change the
 # output are accepted and ignored, like other OpenAI-compatible servers do.
 _UNSUPPORTED_UNLESS_NULL = ("suffix", "logit_bias", "regex", "json_schema", "ebnf", "functions", "function_call",
                             "audio", "modalities", "prediction", "lora_path")
 
-
-# ---- errors and JSON -------------------------------------------------------------------------------
-class ApiError(Exception):
-    """An HTTP error answered as {"error": {"message", "type", "param", "code"}}."""
-
-    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
-                 param: Optional[str] = None):
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.type = type
-        self.param = param
-
-    def response(self) -> Response:
-        return json_response(error_body(self.message, self.type, self.param, self.status), self.status)
-
-
-def error_body(message: str, type: str = "invalid_request_error", param: Optional[str] = None,
-               code: Optional[int] = None) -> dict:
-    return {"error": {"message": message, "type": type, "param": param, "code": code}}
-
-
-_FIELD = re.compile(r"^(?:sampling_params\.)?([A-Za-z_][A-Za-z0-9_]*)")
-
-
-def param_of(message: str, known: set[str]) -> Optional[str]:
-    """The request field an engine ValueError message starts with (its convention), if known."""
-    m = _FIELD.match(message)
-    return m.group(1) if m and m.group(1) in known else None
-
-
-def _finite(obj: Any) -> Any:
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else None
-    if isinstance(obj, dict):
-        return {k: _finite(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_finite(v) for v in obj]
-    return obj
-
-
-def dumps_bytes(obj: Any) -> bytes:
-    """Compact UTF-8 JSON; non-finite floats (e.g. -inf top logprobs) become null, as in SGLang.
-    orjson (several times faster than the standard library on logprob lists) writes NaN and
-    infinities as null itself; what it cannot encode (an integer over 64 bits) takes the standard
-    library's path."""
-    try:
-        return orjson.dumps(obj, option=orjson.OPT_NON_STR_KEYS | orjson.OPT_SERIALIZE_NUMPY)
-    except TypeError:
-        return json.dumps(_finite(obj), ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
-
-
-def dumps(obj: Any) -> str:
-    return dumps_bytes(obj).decode()
-
-
-def json_response(obj: Any, status: int = 200) -> Response:
-    return Response(dumps_bytes(obj), status_code=status, media_type="application/json")
-
-
-def sse(obj: Any) -> str:
-    return f"data: {dumps(obj)}\n\n"
-
-
-class SSEResponse(StreamingResponse):
-    """text/event-stream that runs on_close however the response ends (done, error, disconnect)."""
-
-    def __init__(self, body: AsyncIterator[str], on_close: Callable[[], None]):
-        super().__init__(body, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        self._on_close = on_close
-
-    async def __call__(self, scope, receive, send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self._on_close()
-
-
-# ---- one generation, from the event loop -----------------------------------------------------------
-class EngineStream:
-    """Submits to the engine; yields StreamChunks (stream) or RolloutOutputs. close() aborts the rest."""
-
-    def __init__(self, engine: Any, **kwargs: Any):
-        self._inbox = engine.async_inbox()
-        self.engine = engine
-        self.rids: list[str] = engine.submit(self._inbox.sink, **kwargs)
-        self._pending = set(self.rids)
-
-    @property
-    def done(self) -> bool:
-        return not self._pending
-
-    async def next(self, timeout: Optional[float] = None) -> Any:
-        """The next item; None on timeout. Engine errors are raised."""
-        item = await self._inbox.get(timeout)
-        if item is None:
-            return None
-        if isinstance(item, BaseException):
-            self._pending.clear()
-            raise item
-        if isinstance(item, RolloutOutput) or (isinstance(item, StreamChunk) and item.finished):
-            self._pending.discard(item.rid)
-        return item
-
-    async def items(self, keepalive: bool = False) -> AsyncIterator[Any]:
-        """Every item; with keepalive, None after KEEPALIVE_S of silence (the caller sends a comment)."""
-        while self._pending:
-            item = await self.next(KEEPALIVE_S if keepalive else None)
-            if item is not None or keepalive:
-                yield item
-
-    async def outputs(self, request: Optional[Request] = None) -> list[RolloutOutput]:
-        """Final outputs in rid order; aborts and raises ClientGone if the client disconnects first."""
-        finals: dict[str, RolloutOutput] = {}
-
-        async def run() -> None:
-            async for item in self.items():
-                if isinstance(item, RolloutOutput):
-                    finals[item.rid] = item
-
-        task = asyncio.ensure_future(run())
-        watch = asyncio.ensure_future(wait_disconnect(request)) if request is not None else None
-        try:
-            done, _ = await asyncio.wait({task} | ({watch} if watch else set()),
-                                         return_when=asyncio.FIRST_COMPLETED)
-            if task not in done:
-                raise ClientGone()
-            task.result()
-            return [finals[r] for r in self.rids]
-        finally:
-            for t in (task, watch):
-                if t is not None and not t.done():
-                    t.cancel()
-            self.close()
-
-    def close(self) -> None:
-        if self._pending:
-            self.engine.abort_nowait(sorted(self._pending))
-            self._pending.clear()
-
-
-class ClientGone(Exception):
-    """The HTTP client disconnected before its result was ready (its requests were aborted)."""
-
-
-async def wait_disconnect(request: Request) -> None:
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
-
-
-# ---- routing on the wire ---------------------------------------------------------------------------
-def check_routing_format(value: Any, param: str = "routed_experts_format") -> str:
-    if value is None:
-        return "int32"
-    if value not in ROUTING_FORMATS:
-        raise ApiError(400, f"{param} must be one of {list(ROUTING_FORMATS)}, got {value!r}"[:300], param=param)
-    return value
-
-
-def encode_rows(rows: Any, fmt: str, start: int, info: Any) -> str:
-    from capture.codec import encode_routed_experts
-
-    if fmt == "compact":
-        return encode_routed_experts(rows, "compact", num_experts=info.num_experts, start=start,
-                                     layer_ids=info.moe_layer_ids or None)
-    return encode_routed_experts(rows, "int32")
-
-
-# ---- OpenAI endpoints -------------------------------------------------------------------------------
 _SAMPLING_EXT = ("top_k", "min_p", "repetition_penalty", "ignore_eos", "skip_special_tokens", "stop_token_ids",
                  "no_stop_trim", "logprob_mode", "spaces_between_special_tokens")
 _ENGINE_TO_OPENAI = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "sampling_seed": "seed",

@@ -1,0 +1,57 @@
+"""The exception handlers of rollout-serve: every error becomes a JSON answer in the shape its
+endpoint's clients read ({"error": {...}}; the weight endpoints add SGLang's {"success": false, "message"})."""
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import Request
+from starlette.responses import Response
+
+from rollout.frontend.api import EngineDeadError
+from rollout.server.args import ServerArgs
+from rollout.server.engine_stream import ClientGone
+from rollout.server.guard import WEIGHT_PATHS, BodyTooLarge
+from rollout.server.responses import ApiError, error_body, json_response
+from rollout.server.weight_updater import WeightUpdateError
+
+logger = logging.getLogger("rollout.server")
+
+
+def add_error_handlers(app: FastAPI, args: ServerArgs) -> None:
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, exc: ApiError) -> Response:
+        body = error_body(exc.message, exc.type, exc.param, exc.status)
+        if request.url.path in WEIGHT_PATHS:  # SGLang's shape too, so weight clients can read `success`
+            body.update(success=False, message=exc.message)
+        return json_response(body, exc.status)
+
+    @app.exception_handler(WeightUpdateError)
+    async def _weight_error(request: Request, exc: WeightUpdateError) -> Response:
+        return json_response({"success": False, "message": str(exc),
+                              **error_body(str(exc), code=exc.status)}, exc.status)
+
+    @app.exception_handler(BodyTooLarge)
+    async def _too_large(request: Request, exc: BodyTooLarge) -> Response:
+        return json_response(error_body(f"request body exceeds --max-request-bytes={args.max_request_bytes}",
+                                        code=413), 413)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        return json_response(error_body(f"{exc.detail}: {request.method} {request.url.path}"[:300],
+                                        "not_found_error" if exc.status_code == 404 else "invalid_request_error",
+                                        code=exc.status_code), exc.status_code)
+
+    @app.exception_handler(EngineDeadError)
+    async def _dead(request: Request, exc: EngineDeadError) -> Response:
+        return json_response(error_body(str(exc), "server_error", code=503), 503)
+
+    @app.exception_handler(ClientGone)
+    async def _gone(request: Request, exc: ClientGone) -> Response:
+        return Response(status_code=499)
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, exc: Exception) -> Response:
+        logger.exception("internal error on %s", request.url.path)
+        return json_response(error_body(f"internal error: {type(exc).__name__}", "server_error", code=500), 500)

@@ -1,0 +1,28 @@
+"""read_json: a request body as a JSON object, or the 400 that says what is wrong with it."""
+from __future__ import annotations
+
+import json
+
+from starlette.requests import Request
+
+from rollout.server.responses import ApiError
+from rollout.server.unicode_check import body_may_hold_surrogates, invalid_unicode_field
+
+
+async def read_json(request: Request, *, allow_empty: bool = False) -> dict:
+    raw = await request.body()
+    if not raw.strip():
+        if allow_empty:
+            return {}
+        raise ApiError(400, "the request body must be a JSON object")
+    try:
+        obj = json.loads(raw)
+    except (ValueError, RecursionError) as exc:
+        raise ApiError(400, f"malformed JSON body: {exc}"[:300]) from None
+    if not isinstance(obj, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    if body_may_hold_surrogates(raw):
+        bad = invalid_unicode_field(obj)
+        if bad is not None:
+            raise ApiError(400, f"{bad[1]}; every string must be valid Unicode", param=bad[0])
+    return obj
