@@ -49,14 +49,11 @@ class RolloutOutput:
         if self.output_top_logprobs is not None:
             meta["output_top_logprobs"] = [[[lp, tid, None] for lp, tid in row] for row in self.output_top_logprobs]
         if self.routed_experts is not None:
-            from capture.codec import encode_routed_experts  # noqa: PLC0415 (capture is optional)
+            from capture.codec import encode_engine_rows  # noqa: PLC0415 (capture is optional)
 
-            if routed_experts_format == "compact":
-                meta["routed_experts"] = encode_routed_experts(
-                    self.routed_experts, fmt="compact", num_experts=self.num_experts,
-                    start=self.routed_experts_start_len, layer_ids=self.moe_layer_ids or None)
-            else:
-                meta["routed_experts"] = encode_routed_experts(self.routed_experts, fmt=routed_experts_format)
+            meta["routed_experts"] = encode_engine_rows(
+                self.routed_experts, routed_experts_format, num_experts=self.num_experts,
+                start=self.routed_experts_start_len, layer_ids=self.moe_layer_ids)
             meta["routed_experts_start_len"] = self.routed_experts_start_len
         return meta
 

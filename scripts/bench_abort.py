@@ -76,7 +76,7 @@ def run(scenario: str, model_path: str, queued: int, max_running: int) -> dict:
                     all_done.set()
 
         prompts = [[3 + (i * 7 + j) % 500 for j in range(8)] for i in range(queued)]
-        rids = engine.submit(sink, input_ids=prompts, sampling_params={"max_new_tokens": 64, "ignore_eos": True})
+        rids = engine.submit(sink, input_ids=prompts, sampling_params={"max_new_tokens": 64, "ignore_eos": True}).rids
         while engine.steps_done < 20:
             time.sleep(0.001)
         watch = StepWatch(engine)

@@ -32,6 +32,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Optional
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -216,13 +217,13 @@ def grpo_python(engine, batch: list[tuple[list[int], int]], samples: int) -> tup
     return time.perf_counter() - t0, sum(len(o.output_ids) for o in outs)
 
 
-def grpo_rows(model_path: str, repeats: int, seed: int, client_lib: str) -> dict:
+def grpo_rows(model_path: str, repeats: int, seed: int, client_lib: str, cpu_threads: Optional[int]) -> dict:
     from rollout import Rollout
 
-    srv = Server(["--model-path", model_path, "--enable-return-routed-experts"])
+    srv = Server(["--model-path", model_path, "--enable-return-routed-experts"] + threads_flag(cpu_threads))
     rows = []
     try:
-        with Rollout(model_path, enable_return_routed_experts=True) as engine:
+        with Rollout(model_path, enable_return_routed_experts=True, cpu_threads=cpu_threads) as engine:
             warm = grpo_batch(seed + 99, prompts=2, samples=2)
             asyncio.run(grpo_server(srv.url, warm, 2, client_lib))
             grpo_python(engine, warm, 2)
@@ -239,6 +240,10 @@ def grpo_rows(model_path: str, repeats: int, seed: int, client_lib: str) -> dict
         srv.stop()
     ratios = sorted(s["tokens_per_s"] / p["tokens_per_s"] for p, s in zip(rows[::2], rows[1::2]))
     return {"rows": rows, "ratios": ratios, "median_ratio": ratios[len(ratios) // 2], "client": client_lib}
+
+
+def threads_flag(cpu_threads: Optional[int]) -> list[str]:
+    return [] if cpu_threads is None else ["--cpu-threads", str(cpu_threads)]
 
 
 # ---- python side ----------------------------------------------------------------------------------
@@ -278,14 +283,18 @@ def main() -> None:
     ap.add_argument("--grpo-repeats", type=int, default=3, help="GRPO batch runs per api (0: skip)")
     ap.add_argument("--client", choices=("aiohttp", "httpx"), default="aiohttp",
                     help="the load generator's HTTP client (it shares the machine's cores with the server)")
+    ap.add_argument("--cpu-threads", type=int, default=None,
+                    help="torch threads of the engine process, both sides (default: every usable CPU)")
     ap.add_argument("--json", default=None, help="write the results here")
     args = ap.parse_args()
     params = {"temperature": 0.0, "max_new_tokens": args.max_new_tokens, "ignore_eos": True,
               "stream_interval": args.stream_interval}
     flags = ["--model-path", args.model_path, "--enable-return-routed-experts", "--disable-prefix-caching"]
+    flags += threads_flag(args.cpu_threads)
     results: dict = {"config": vars(args), "throughput": [], "bytes": []}
     if args.grpo_repeats:
-        results["grpo"] = grpo = grpo_rows(args.model_path, args.grpo_repeats, args.seed, args.client)
+        results["grpo"] = grpo = grpo_rows(args.model_path, args.grpo_repeats, args.seed, args.client,
+                                             args.cpu_threads)
         print("\nGRPO batch: 24 prompts x 8 samples, one non-streaming /generate per sample vs one "
               "Rollout.generate(n=8); logprobs + routing on")
         print(f"(client: {args.client}; CPU seconds of the benchmark process (the client, or the Python API's "
@@ -303,7 +312,8 @@ def main() -> None:
     # other processes on a shared machine biases neither.
     srv = Server(flags)
     try:
-        with Rollout(args.model_path, enable_return_routed_experts=True, enable_prefix_caching=False) as engine:
+        with Rollout(args.model_path, enable_return_routed_experts=True, enable_prefix_caching=False,
+                     cpu_threads=args.cpu_threads) as engine:
             for c in args.concurrency:
                 warm = workload(c, args.prompt_len, args.seed + 99)[:1]
                 asyncio.run(server_run(srv.url, warm, params))

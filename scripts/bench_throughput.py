@@ -4,6 +4,9 @@ Workload: P prompts of 32-256 tokens, n samples each, per-request max_new_tokens
 16-256, ignore_eos. Measured side by side in one run, each in a fresh process, interleaved:
   engine (capture off) | engine (capture on, return_routed_experts) | transformers generate
   (one batch of all requests to the largest max_new_tokens, truncated)
+  | engine with a busy torch loop in a thread of the caller, against the quiet engine: once with
+  the engine on every CPU (the default) and once with one CPU left to the caller
+  (cpu_threads = CPUs - 1, quiet and busy)
 then the model's bare forward at decode batch sizes, and the engine's decode step time at
 batch 64 against the model forward inside that step.
 Also the routing wire size per token and host store bytes per KV slot (scripts/bench_wire.py).
@@ -92,6 +95,11 @@ def in_fresh_process(kind: str, model_path: str, num_prompts: int, n: int) -> tu
     return dt, tokens
 
 
+def spare_threads() -> int:
+    """Engine threads that leave one usable CPU to the caller."""
+    return max(1, EngineConfig(model_path=DEFAULT_MODEL_PATH).resolved_cpu_threads - 1)
+
+
 def worker(kind: str, model_path: str, num_prompts: int, n: int) -> tuple[float, int]:
     from transformers import AutoConfig
 
@@ -99,9 +107,10 @@ def worker(kind: str, model_path: str, num_prompts: int, n: int) -> tuple[float,
     if kind == "hf":
         return run_hf(model_path, prompts, max_news)
     capture = kind == "engine_capture"
-    with Rollout(model_path, enable_return_routed_experts=capture) as engine:
+    threads = spare_threads() if kind.startswith("engine_spare") else None
+    with Rollout(model_path, enable_return_routed_experts=capture, cpu_threads=threads) as engine:
         run_engine(engine, prompts[:2], [m[:2] for m in max_news[:2]], capture)   # warm-up
-        if kind != "engine_busy_caller":
+        if not kind.endswith("busy_caller"):
             return run_engine(engine, prompts, max_news, capture)
         stop = threading.Event()
         busy = threading.Thread(target=busy_torch_loop, args=(stop,), daemon=True)
@@ -195,9 +204,10 @@ def main(argv=None) -> None:
     # NOTE: every run in a fresh process, interleaved: one engine alive at a time (libgomp
     # throttles every OpenMP pool once more OpenMP threads exist than CPUs), each run from the
     # same process state, and the kinds side by side under the same background load.
-    t_off, t_on, t_busy, t_hf = [], [], [], []
+    t_off, t_on, t_busy, t_hf, t_spare, t_spare_busy = [], [], [], [], [], []
     useful = total
-    kinds = [("engine", t_off), ("engine_capture", t_on), ("engine_busy_caller", t_busy)]
+    kinds = [("engine", t_off), ("engine_capture", t_on), ("engine_busy_caller", t_busy),
+             ("engine_spare", t_spare), ("engine_spare_busy_caller", t_spare_busy)]
     kinds += [] if args.skip_hf else [("hf", t_hf)]
     for _ in range(args.repeats):
         for kind, times in kinds:
@@ -214,6 +224,11 @@ def main(argv=None) -> None:
     res["engine_busy_caller_tok_s"] = total / statistics.median(t_busy)
     res["engine_busy_caller_runs_s"] = t_busy
     res["busy_caller_ratio"] = res["engine_busy_caller_tok_s"] / tps_off
+    res["spare_threads"] = spare_threads()
+    res["engine_spare_tok_s"] = total / statistics.median(t_spare)
+    res["engine_spare_busy_caller_tok_s"] = total / statistics.median(t_spare_busy)
+    res["engine_spare_runs_s"], res["engine_spare_busy_caller_runs_s"] = t_spare, t_spare_busy
+    res["spare_busy_caller_ratio"] = res["engine_spare_busy_caller_tok_s"] / res["engine_spare_tok_s"]
     if t_hf:
         res["hf_tok_s"] = useful / statistics.median(t_hf)
         res["hf_runs_s"] = t_hf
@@ -241,6 +256,11 @@ def main(argv=None) -> None:
     print(f"| engine, capture on (return_routed_experts) | {tps_on:.0f} | {tps_on / tps_off:.3f} (on/off) |")
     print(f"| engine, a busy torch loop in the caller's thread | {res['engine_busy_caller_tok_s']:.0f} | "
           f"{res['busy_caller_ratio']:.3f} (busy/quiet) |")
+    spare = f"cpu_threads={res['spare_threads']}"
+    print(f"| engine, {spare} (a CPU left to the caller) | {res['engine_spare_tok_s']:.0f} | "
+          f"{res['engine_spare_tok_s'] / tps_off:.3f} (vs every CPU) |")
+    print(f"| engine, {spare}, a busy torch loop in the caller's thread | "
+          f"{res['engine_spare_busy_caller_tok_s']:.0f} | {res['spare_busy_caller_ratio']:.3f} (busy/quiet) |")
     if "hf_tok_s" in res:
         per = ", ".join(f"{x:.2f}" for x in res["engine_vs_hf_per_repeat"])
         print(f"| transformers generate (batched, truncated) | {res['hf_tok_s']:.0f} | "

@@ -139,3 +139,20 @@ def test_inproc_client_matches_process_client(tiny_checkpoint):
     for a, b in zip(outs["process"], outs["inproc"], strict=True):
         assert a.output_ids == b.output_ids and a.output_logprobs == b.output_logprobs
         assert torch.equal(a.routed_experts, b.routed_experts)
+
+
+def test_cpu_threads_sets_the_engine_process_threads_only(tiny_checkpoint):
+    from rollout.config import DEFAULT_MODEL_PATH, EngineConfig
+
+    path = tiny_checkpoint("qwen3_moe")
+    with pytest.raises(ValueError, match="cpu_threads"):
+        EngineConfig(model_path=DEFAULT_MODEL_PATH, cpu_threads=0)
+    usable = len(os.sched_getaffinity(0))
+    assert EngineConfig(model_path=DEFAULT_MODEL_PATH).resolved_cpu_threads == usable
+    assert EngineConfig(model_path=DEFAULT_MODEL_PATH, dp_size=2).resolved_cpu_threads == max(1, usable // 2)
+    mine = torch.get_num_threads()
+    with make_engine(path, cpu_threads=1) as engine:
+        assert engine.stats()["cpu_threads"] == 1
+        out = engine.generate(input_ids=prompts(4, [9]), sampling_params={**GREEDY, "max_new_tokens": 4})
+        assert len(out[0].output_ids) == 4
+    assert torch.get_num_threads() == mine   # the caller's pool is left alone

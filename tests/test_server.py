@@ -122,6 +122,11 @@ def test_generate_text_single_batch_and_n(client, ref):
     ids = client.post("/generate", json={"input_ids": ref.tokenizer.encode("The quick brown fox"),
                                          "sampling_params": GREEDY}).json()
     assert ids["output_ids"] == one["output_ids"]
+    # per-prompt n: each output's prompt-side fields come from its own prompt
+    mixed = client.post("/generate", json={"input_ids": [[5, 6, 7], [8, 9, 10, 11, 12]], "return_logprob": True,
+                                           "logprob_start_len": 0,
+                                           "sampling_params": [{**GREEDY, "n": 1}, {**GREEDY, "n": 3}]}).json()
+    assert [[e[1] for e in o["meta_info"]["input_token_logprobs"]] for o in mixed] == [[5, 6, 7]] + [[8, 9, 10, 11, 12]] * 3
 
 
 @pytest.mark.parametrize("fmt,interval", [("int32", None), ("compact", None), ("int32", 3)])
@@ -200,6 +205,7 @@ def test_openai_completions(server, client, shape):
     assert torch.equal(torch.cat(rows), decode(native["meta_info"], "int32", shape))
     batch = oa.completions.create(model="tiny-moe", prompt=[[5, 6, 7], [8, 9]], max_tokens=3, temperature=0, n=2)
     assert [c.index for c in batch.choices] == [0, 1, 2, 3]
+    assert batch.usage.prompt_tokens == 3 + 2 and 4 <= batch.usage.completion_tokens <= 4 * 3   # a prompt counts once
 
 
 def test_openai_chat(server, client, ref):
@@ -514,7 +520,7 @@ def test_server_args_cli():
     # /server_info lists the engine settings flat, under their flag names, as before ServerArgs held an EngineConfig
     flat = a.redacted()
     assert set(flat) == {
-        "model_path", "tokenizer_path", "dtype", "device", "dp_size", "enable_return_routed_experts",
+        "model_path", "tokenizer_path", "dtype", "device", "dp_size", "cpu_threads", "enable_return_routed_experts",
         "max_running_requests", "chunked_prefill_size", "max_total_tokens", "kv_cache_bytes", "context_length",
         "disable_prefix_caching", "decode_graph_batch_sizes", "prefill_graph_token_sizes", "seed", "weight_version",
         "stream_interval", "max_capture_buffer_rows", "enable_profile_graph_capture", "profile_graph_capture_dir",

@@ -97,6 +97,11 @@ class EngineConfig:
     decode_graph_batch_sizes: tuple[int, ...] = field(default=(), metadata=flag(type=int))
     prefill_graph_token_sizes: tuple[int, ...] = field(default=(), metadata=flag(type=int))
     dp_size: int = field(default=1, metadata=flag(type=int))
+    # CPU engines: torch intra-op threads of each engine process; None = the CPUs this process may
+    # run on, shared out among the DP ranks (resolved_cpu_threads). Leave cores to the front end
+    # and the caller's own work on small hosts (docs/architecture.md).
+    cpu_threads: Optional[int] = field(default=None, metadata=flag(
+        type=int, help="CPU device: torch threads per engine process (default: the usable CPUs / dp-size)"))
     # NOTE: a device budget for the routed-expert capture buffer; a config whose forwards need more
     # rows (capture_buffer_rows) is rejected at startup, naming the values. None = no cap.
     max_capture_buffer_rows: Optional[int] = field(default=None, metadata=flag(
@@ -136,6 +141,7 @@ class EngineConfig:
         _positive_int("kv_cache_bytes", self.kv_cache_bytes, allow_none=True)
         _positive_int("context_length", self.context_length, allow_none=True, minimum=2)
         _positive_int("dp_size", self.dp_size)
+        _positive_int("cpu_threads", self.cpu_threads, allow_none=True)
         _positive_int("max_capture_buffer_rows", self.max_capture_buffer_rows, allow_none=True)
         if self.profile_graph_capture_dir is not None and (
                 not isinstance(self.profile_graph_capture_dir, str) or not self.profile_graph_capture_dir):
@@ -188,6 +194,15 @@ class EngineConfig:
 
     def replace(self, **changes: Any) -> "EngineConfig":
         return dataclasses.replace(self, **changes)
+
+    @property
+    def resolved_cpu_threads(self) -> int:
+        """torch intra-op threads of a CPU engine process: cpu_threads, else the CPUs this process
+        may run on (its affinity mask: SLURM and containers narrow it) divided among the DP ranks."""
+        if self.cpu_threads is not None:
+            return self.cpu_threads
+        usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        return max(1, usable // self.dp_size)
 
     @property
     def resolved_attention_backend(self) -> str:

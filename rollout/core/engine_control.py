@@ -136,7 +136,8 @@ class EngineControl:
                     kv_total=self.kv_pool.num_slots, running=len(self.scheduler.running),
                     waiting=len(self.scheduler.waiting),
                     capture_buffer_bytes=self.capturer.buffer.nbytes if self.capturer is not None else 0,
-                    capture_store_bytes=self.capturer.store.nbytes if self.capturer is not None else 0)
+                    capture_store_bytes=self.capturer.store.nbytes if self.capturer is not None else 0,
+                    cpu_threads=torch.get_num_threads())
 
     def recent_layouts(self) -> list:
         """The GatherLayouts of the latest forwards (oldest first), for tests and debugging."""

@@ -41,7 +41,6 @@ def _join_dp_group(cfg: EngineConfig, rank: int, store_port: int) -> tuple[Engin
         backend = "nccl"
     else:
         device = torch.device("cpu")
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // cfg.dp_size))
         backend = "gloo"
         # NOTE: the ranks are processes of one host and talk over loopback; gloo would otherwise
         # bind the address the hostname resolves to. Set here, in the engine process only.
@@ -73,6 +72,8 @@ def engine_main(config: dict, rank: int, to_engine_addr: str, from_engine_addr: 
     core: Optional[EngineCore] = None
     try:
         cfg = EngineConfig(**config)
+        if not cfg.device.startswith("cuda"):
+            torch.set_num_threads(cfg.resolved_cpu_threads)
         ep_group = sync = None
         if cfg.dp_size > 1:
             cfg, ep_group = _join_dp_group(cfg, rank, store_port)

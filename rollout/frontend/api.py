@@ -24,6 +24,7 @@ from rollout.frontend.loop_feeder import LoopFeeder
 from rollout.frontend.request_builder import ParamsArg, RequestBuilder
 from rollout.frontend.request_state import RequestState, RoutingShape
 from rollout.frontend.request_table import RequestTable
+from rollout.frontend.submission import Submission
 from rollout.ipc.messages import ReqSpec, ReqUpdate
 from rollout.models.registry import architecture_of, model_class, read_config, resolve_dtype
 from rollout.output import RolloutOutput
@@ -130,7 +131,7 @@ class Rollout:
     def _build(self, *args: Any) -> Groups:
         return self._builder.build(*args)
 
-    def _submit(self, groups: Groups, sink: Callable[[Any], None]) -> list[str]:
+    def _submit(self, groups: Groups, sink: Callable[[Any], None]) -> Submission:
         self._check_alive()
         states = [st for group in groups for _, st in group]
         self._requests.add(states, sink)
@@ -139,7 +140,7 @@ class Rollout:
         except EngineDeadError:
             self._requests.discard(states)
             raise
-        return [st.rid for st in states]
+        return Submission.of([[st.rid for _, st in group] for group in groups])
 
     # ---- public API ----------------------------------------------------------------------------
     def generate(self, prompts: Any = None, sampling_params: ParamsArg = None, *, input_ids: Any = None,
@@ -158,7 +159,7 @@ class Rollout:
                              return_routed_experts, routed_experts_start_len, rid, stream, routed_dp_rank,
                              cache_salt, logprob_start_len)
         q: "queue.Queue[Any]" = queue.Queue()
-        rids = self._submit(groups, q.put)
+        rids = self._submit(groups, q.put).rids
         if stream:
             return self._iter_chunks(q, set(rids))
         finals: dict[str, RolloutOutput] = {}
@@ -214,10 +215,10 @@ class Rollout:
                input_ids: Any = None, return_logprob: bool = False, top_logprobs_num: int = 0,
                return_routed_experts: bool = False, routed_experts_start_len: Any = 0, rid: Any = None,
                stream: bool = False, routed_dp_rank: Any = None, cache_salt: Any = None,
-               logprob_start_len: Any = -1) -> list[str]:
+               logprob_start_len: Any = -1) -> Submission:
         """Validates and queues like generate(); sink(item) is then called on the client's receiver
         thread with each StreamChunk (stream) or RolloutOutput, or an exception. Returns the
-        request ids in output order (prompt-major)."""
+        request ids in output order (prompt-major) with each one's prompt index."""
         groups = self._build(prompts, input_ids, sampling_params, return_logprob, top_logprobs_num,
                              return_routed_experts, routed_experts_start_len, rid, stream, routed_dp_rank,
                              cache_salt, logprob_start_len)

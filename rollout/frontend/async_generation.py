@@ -4,6 +4,7 @@ from __future__ import annotations
 from typing import Any, AsyncIterator, Callable, Union
 
 from rollout.frontend.async_inbox import AsyncInbox
+from rollout.frontend.submission import Submission
 from rollout.output import RolloutOutput
 from rollout.stream_chunk import StreamChunk
 
@@ -11,7 +12,7 @@ from rollout.stream_chunk import StreamChunk
 class AsyncGeneration:
     """`await` it for the list of outputs, or `async for` over it for chunks (stream) / outputs."""
 
-    def __init__(self, start: Callable[[Callable[[Any], None]], list[str]], make_inbox: Callable[[], AsyncInbox],
+    def __init__(self, start: Callable[[Callable[[Any], None]], Submission], make_inbox: Callable[[], AsyncInbox],
                  stream: bool):
         self._start = start
         self._make_inbox = make_inbox
@@ -32,7 +33,7 @@ class AsyncGeneration:
 
     async def _iterate(self, final_only: bool, order_out: list[str]):
         inbox = self._make_inbox()
-        rids = self._start(inbox.sink)
+        rids = self._start(inbox.sink).rids
         order_out.extend(rids)
         pending = set(rids)
         while pending:

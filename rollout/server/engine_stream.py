@@ -18,7 +18,8 @@ class EngineStream:
     def __init__(self, engine: Any, **kwargs: Any):
         self._inbox = engine.async_inbox()
         self.engine = engine
-        self.rids: list[str] = engine.submit(self._inbox.sink, **kwargs)
+        self.submission = engine.submit(self._inbox.sink, **kwargs)
+        self.rids: list[str] = self.submission.rids
         self._pending = set(self.rids)
 
     @property

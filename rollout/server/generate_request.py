@@ -141,13 +141,6 @@ class GenerateCall:
             logprob_starts=starts)
 
     # ---- results -------------------------------------------------------------------------------------
-    def prompt_index(self, rids: list[str]) -> dict[str, int]:
-        """rid -> prompt index (rids are prompt-major, each prompt's n samples together)."""
-        sp = self.kwargs["sampling_params"]
-        counts = [((sp[i] if isinstance(sp, list) else sp) or {}).get("n") or 1 for i in range(len(self.prompts))]
-        order = [i for i, n in enumerate(counts) for _ in range(n)]
-        return dict(zip(rids, order))
-
     def token_entry(self, decode: Callable[[int], str]) -> Callable[[float, int], list]:
         if self.text_in_logprobs:
             return lambda lp, t: [lp, t, decode(t)]
@@ -203,9 +196,9 @@ def _cache_salt(salt: Optional[str], extra_key: Optional[str]) -> Optional[str]:
     return f"{len(salt or '')}:{salt or ''}|{extra_key or ''}"
 
 
-def as_response(call: GenerateCall, outs: list[RolloutOutput], rids: list[str],
+def as_response(call: GenerateCall, outs: list[RolloutOutput], index: dict[str, int],
                 decode: Callable[[int], str]) -> Any:
-    index = call.prompt_index(rids)
+    """index: rid -> prompt index (Submission.prompt_index)."""
     results = [{"text": o.text, "output_ids": list(o.output_ids), "meta_info": call.meta_info(o, index[o.rid], decode)}
                for o in outs]
     return results if call.batch or len(results) > 1 else results[0]

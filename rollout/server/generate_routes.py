@@ -58,7 +58,7 @@ def add_generate_routes(app: FastAPI, *, engine: Rollout, args: ServerArgs, metr
         if not call.stream:
             outs = await es.outputs(request)
             metrics.finished(outs)
-            answer = as_response(call, outs, es.rids, decode)
+            answer = as_response(call, outs, es.submission.prompt_index, decode)
             for item in answer if isinstance(answer, list) else [answer]:
                 if "routed_experts" in item["meta_info"]:
                     metrics.routing_bytes(call.fmt, len(item["meta_info"]["routed_experts"]))

@@ -38,7 +38,7 @@ class GenerateStream:
         self.engine = engine
         self.metrics = metrics
         self.decode = decode
-        self.prompt_of = call.prompt_index(es.rids)
+        self.prompt_of = es.submission.prompt_index
         self.index = {rid: i for i, rid in enumerate(es.rids)}
         self.multi = call.batch or len(es.rids) > 1
         self.progress = {rid: _Progress() for rid in es.rids}

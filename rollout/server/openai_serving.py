@@ -125,8 +125,10 @@ class OpenAIServing:
     def _finish(out: RolloutOutput) -> tuple[str, Any]:
         return out.finish_reason, out.finish_info.get("matched")
 
-    def _usage(self, outs: list[RolloutOutput], n: int) -> dict:
-        prompt = sum(o.prompt_tokens for o in outs[::max(1, n)])
+    @staticmethod
+    def _usage(outs: list[RolloutOutput], prompt_of: dict[str, int]) -> dict:
+        """Each prompt's tokens counted once (its n samples share it), as OpenAI does."""
+        prompt = sum({prompt_of[o.rid]: o.prompt_tokens for o in outs}.values())
         completion = sum(o.completion_tokens for o in outs)
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
@@ -178,7 +180,7 @@ class OpenAIServing:
             return {"text": chunk.text, "logprobs": lp}
 
         return await self._respond(es, request, id_prefix="cmpl", objects=("text_completion", "text_completion"),
-                                   fmt=fmt, n=params["n"], stream=stream, include_usage=include_usage,
+                                   fmt=fmt, stream=stream, include_usage=include_usage,
                                    body_of=body_of, delta_of=delta_of, **self._options(body))
 
     # ---- /v1/chat/completions -------------------------------------------------------------------------
@@ -257,7 +259,7 @@ class OpenAIServing:
 
         opening = [{"delta": {"role": "assistant", "content": ""}, "logprobs": None}]  # per choice, first
         return await self._respond(es, request, id_prefix="chatcmpl",
-                                   objects=("chat.completion", "chat.completion.chunk"), fmt=fmt, n=params["n"],
+                                   objects=("chat.completion", "chat.completion.chunk"), fmt=fmt,
                                    stream=stream, include_usage=include_usage, body_of=body_of,
                                    delta_of=delta_of, opening=opening[0], **self._options(body))
 
@@ -267,7 +269,7 @@ class OpenAIServing:
                 "incremental": _get(body, "incremental_streaming_output", (bool,), self.incremental_streaming)}
 
     async def _respond(self, es: "EngineStream", request: Request, *, id_prefix: str, objects: tuple[str, str],
-                       fmt: str, n: int, stream: bool, include_usage: bool,
+                       fmt: str, stream: bool, include_usage: bool,
                        body_of: Callable[[RolloutOutput], dict], delta_of: Callable[[StreamChunk], dict],
                        opening: Optional[dict] = None, token_ids: bool = False, incremental: bool = False) -> Response:
         """One response object (choices from body_of), or an SSE stream of chunks (choices from
@@ -289,7 +291,7 @@ class OpenAIServing:
                     choice["sglext"] = exts[-1]
                 choices.append(choice)
             self.metrics.finished(outs)
-            answer = {**meta, "object": whole, "choices": choices, "usage": self._usage(outs, n),
+            answer = {**meta, "object": whole, "choices": choices, "usage": self._usage(outs, es.submission.prompt_index),
                       "metadata": {"weight_version": outs[0].weight_version}}
             if exts and exts[0] is not None:
                 answer["sglext"] = exts[0]
@@ -320,7 +322,7 @@ class OpenAIServing:
             self.metrics.finished(finals)
             if include_usage:
                 finals.sort(key=lambda o: index[o.rid])
-                yield sse({**meta, "object": chunk_obj, "choices": [], "usage": self._usage(finals, n)})
+                yield sse({**meta, "object": chunk_obj, "choices": [], "usage": self._usage(finals, es.submission.prompt_index)})
             yield "data: [DONE]\n\n"
 
         return SSEResponse(events(), es.close)

@@ -18,10 +18,8 @@ def check_routing_format(value: Any, param: str = "routed_experts_format") -> st
 
 
 def encode_rows(rows: Any, fmt: str, start: int, info: Any) -> str:
-    from capture.codec import encode_routed_experts
+    """A stream chunk's rows; finished outputs go through RolloutOutput.meta_info, and both through
+    capture.codec.encode_engine_rows."""
+    from capture.codec import encode_engine_rows  # noqa: PLC0415
 
-    if fmt == "compact":
-        return encode_routed_experts(rows, "compact", num_experts=info.num_experts, start=start,
-                                     layer_ids=info.moe_layer_ids or None)
-    return encode_routed_experts(rows, "int32")
-
+    return encode_engine_rows(rows, fmt, num_experts=info.num_experts, start=start, layer_ids=info.moe_layer_ids)
