@@ -77,6 +77,7 @@ __all__ = [
     "CompactHeader",
     "encode_routed_experts",
     "encode_engine_rows",
+    "ROW_DTYPES",
     "decode_routed_experts",
     "compact_header",
     "narrowest_dtype",
@@ -123,6 +124,8 @@ _MAX_U16 = 0xFFFF
 _MAX_U32 = 0xFFFFFFFF
 _MAX_U64 = 0xFFFFFFFFFFFFFFFF
 _I32 = np.iinfo(np.int32)
+# the headerless format's element types (encode_engine_rows' dtype), little-endian
+ROW_DTYPES = {"int32": "<i4", "int16": "<i2", "uint8": "u1"}
 
 
 # ---------------------------------------------------------------------------------------- encode
@@ -176,19 +179,23 @@ def encode_routed_experts(
 
 
 def encode_engine_rows(rows: Union[torch.Tensor, np.ndarray], fmt: str = "int32", *, num_experts: int = 0,
-                       start: int = 0, layer_ids: Iterable[int] = ()) -> str:
+                       start: int = 0, layer_ids: Iterable[int] = (), dtype: str = "int32") -> str:
     """The one encoder of routing rows the engine produced, for finished outputs and stream
     chunks alike. ``int32`` skips ``encode_routed_experts``' type and range checks (the ids come
     from the router's top-k, -1 for dense layers, in range by construction): a 1-token stream
     chunk costs ~2 us instead of ~11. ``compact`` is ``encode_routed_experts`` (it needs the
-    range scan to choose its payload dtype)."""
+    range scan to choose its payload dtype). dtype: the element type of the headerless format
+    (ROW_DTYPES; int16 / uint8 narrow it for clients that decode with that dtype, and uint8 writes
+    -1 as 255)."""
     if fmt == "compact":
         return encode_routed_experts(rows, "compact", num_experts=num_experts, start=start,
                                      layer_ids=tuple(layer_ids) or None)
     if fmt != "int32":
         RoutedExpertsFormat.parse(fmt)   # raises, naming the allowed formats
+    if dtype not in ROW_DTYPES:
+        raise ValueError(f"routed_experts_dtype must be one of {list(ROW_DTYPES)}, got {dtype!r}")
     arr = rows.numpy() if isinstance(rows, torch.Tensor) else rows
-    return base64.b64encode(arr.astype("<i4", copy=False).tobytes()).decode("ascii")
+    return base64.b64encode(arr.astype(ROW_DTYPES[dtype], copy=False).tobytes()).decode("ascii")
 
 
 def _payload_code(payload: np.ndarray, num_experts: int) -> int:

@@ -35,7 +35,7 @@ class RolloutOutput:
     def completion_tokens(self) -> int:
         return len(self.output_ids)
 
-    def meta_info(self, routed_experts_format: str = "int32") -> dict[str, Any]:
+    def meta_info(self, routed_experts_format: str = "int32", routed_experts_dtype: str = "int32") -> dict[str, Any]:
         meta: dict[str, Any] = {
             "id": self.rid,
             "finish_reason": dict(self.finish_info),
@@ -53,7 +53,7 @@ class RolloutOutput:
 
             meta["routed_experts"] = encode_engine_rows(
                 self.routed_experts, routed_experts_format, num_experts=self.num_experts,
-                start=self.routed_experts_start_len, layer_ids=self.moe_layer_ids)
+                start=self.routed_experts_start_len, layer_ids=self.moe_layer_ids, dtype=routed_experts_dtype)
             meta["routed_experts_start_len"] = self.routed_experts_start_len
         return meta
 

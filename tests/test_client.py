@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from trainer_bridge.client import (NoServerError, RequestRejected, RolloutClient, SampleError)
-from trainer_bridge.launch import LocalServers
+from trainer_bridge.launch import LocalServers, share_cpus
 from trainer_bridge.weight_sync import make_weight_sync
 
 PROMPTS = [[51, 28, 223, 21, 25, 13, 22, 23, 31, 269, 28], [51, 28, 223, 27, 12, 19, 20, 31, 269, 28]]
@@ -33,6 +33,18 @@ def two_servers(tmp_path_factory):
 
 
 # ---- real servers -------------------------------------------------------------------------------
+def test_servers_on_one_host_share_its_cpus(two_servers):
+    import os
+
+    usable = len(os.sched_getaffinity(0))
+    assert share_cpus(["--x"], 1) == ["--x"] and share_cpus(["--cpu-threads", "3"], 2) == ["--cpu-threads", "3"]
+    assert share_cpus(["--cpu-threads=3"], 2) == ["--cpu-threads=3"]
+    assert share_cpus([], 2) == ["--cpu-threads", str(max(1, usable // 2))]
+    for url in two_servers.urls:   # what the engine processes run
+        state = httpx.get(url + "/server_info", timeout=30).json()["internal_states"][0]
+        assert state["cpu_threads"] == max(1, usable // 2)
+
+
 def test_groups_shapes_validation_and_balance(two_servers):
     async def go():
         async with RolloutClient(two_servers.urls) as c:

@@ -6,6 +6,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
+from capture.codec import ROW_DTYPES
 from rollout.server.ignored_fields import FieldPolicy, IgnoredFields
 from rollout.server.responses import ApiError
 from rollout.server.routing_format import check_routing_format, encode_rows
@@ -37,7 +38,6 @@ SAMPLING = FieldPolicy(
 # names an engine ValueError may start with, mapped to the request's `param`
 # routed_experts_dtype (slime's streaming rollout sends it): raw little-endian ids of this width; for
 # uint8 the -1 of a dense layer is 255
-ROUTING_DTYPES = {"int32": "<i4", "int16": "<i2", "uint8": "u1"}
 ERROR_PARAMS = GENERATE.acted | SAMPLING.acted | {"sampling_params", "prompts", "context"}
 
 
@@ -128,8 +128,8 @@ class GenerateCall:
                       else body.get("data_parallel_rank"), cache_salt=salts, logprob_start_len=given)
         fmt = check_routing_format(body.get("routed_experts_format"))
         dtype = body.get("routed_experts_dtype") or "int32"
-        if dtype not in ROUTING_DTYPES or (dtype != "int32" and fmt != "int32"):
-            raise ApiError(400, f"routed_experts_dtype must be one of {list(ROUTING_DTYPES)} (with the int32 "
+        if dtype not in ROW_DTYPES or (dtype != "int32" and fmt != "int32"):
+            raise ApiError(400, f"routed_experts_dtype must be one of {list(ROW_DTYPES)} (with the int32 "
                                 f"routed_experts_format), got {dtype!r}"[:300], param="routed_experts_dtype")
         if num_experts > {"int32": 2**31, "int16": 2**15, "uint8": 2**8}[dtype]:
             raise ApiError(400, f"routed_experts_dtype {dtype!r} cannot hold the ids of {num_experts} experts",
@@ -148,9 +148,7 @@ class GenerateCall:
 
     def meta_info(self, out: RolloutOutput, prompt: int, decode: Callable[[int], str]) -> dict[str, Any]:
         """SGLang's meta_info for a finished request (e2e_latency from the request's arrival)."""
-        meta = out.meta_info(self.fmt)
-        if out.routed_experts is not None and self.routing_dtype != "int32":
-            meta["routed_experts"] = self.encode_routing(out.routed_experts, out.routed_experts_start_len, None)
+        meta = out.meta_info(self.fmt, self.routing_dtype)
         meta["total_retractions"] = out.num_retractions
         meta["e2e_latency"] = time.time() - self.t0
         if out.output_logprobs is not None:
@@ -164,14 +162,7 @@ class GenerateCall:
 
     def encode_routing(self, rows: Any, start: int, info: Any) -> str:
         """[rows, L, K] ids in this request's wire format (int32 / compact / routed_experts_dtype)."""
-        if self.routing_dtype != "int32":
-            import base64  # noqa: PLC0415
-
-            import numpy as np  # noqa: PLC0415
-
-            arr = rows.numpy() if hasattr(rows, "numpy") else np.asarray(rows)
-            return base64.b64encode(np.ascontiguousarray(arr.astype(ROUTING_DTYPES[self.routing_dtype]))).decode()
-        return encode_rows(rows, self.fmt, start, info)
+        return encode_rows(rows, self.fmt, start, info, self.routing_dtype)
 
     def input_logprobs(self, prompt: int, top: bool, decode: Callable[[int], str], values: Optional[list] = None,
                        tops: Optional[list] = None) -> dict[str, Any]:

@@ -17,9 +17,10 @@ def check_routing_format(value: Any, param: str = "routed_experts_format") -> st
     return value
 
 
-def encode_rows(rows: Any, fmt: str, start: int, info: Any) -> str:
+def encode_rows(rows: Any, fmt: str, start: int, info: Any, dtype: str = "int32") -> str:
     """A stream chunk's rows; finished outputs go through RolloutOutput.meta_info, and both through
     capture.codec.encode_engine_rows."""
     from capture.codec import encode_engine_rows  # noqa: PLC0415
 
-    return encode_engine_rows(rows, fmt, num_experts=info.num_experts, start=start, layer_ids=info.moe_layer_ids)
+    return encode_engine_rows(rows, fmt, num_experts=info.num_experts, start=start, layer_ids=info.moe_layer_ids,
+                              dtype=dtype)
