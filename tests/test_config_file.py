@@ -134,6 +134,9 @@ ENGINE_FLAGS_BEFORE = {
     "--dtype": ("auto", None, None, ("auto", "float32", "bfloat16", "float16"), None),
     "--device": ("cpu", None, None, None, "cpu or cuda[:N]"),
     "--dp-size": (1, None, int, None, None),
+    # added since: engine threads of a CPU engine process
+    "--cpu-threads": (None, None, int, None,
+                      "CPU device: torch threads per engine process (default: the usable CPUs / dp-size)"),
     "--enable-return-routed-experts": (False, 0, None, None, "capture routed experts so requests may ask for them"),
     "--max-running-requests": (128, None, int, None, None),
     "--chunked-prefill-size": (1024, None, int, None, "tokens per prefill forward; -1 or 0 = whole prompts"),

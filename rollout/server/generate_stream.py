@@ -9,7 +9,7 @@ since the previous chunk with `routed_experts_start` (their absolute position).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Callable, Union
 
 from rollout.frontend.api import EngineDeadError
 from rollout.server.generate_request import GenerateCall
@@ -43,7 +43,7 @@ class GenerateStream:
         self.multi = call.batch or len(es.rids) > 1
         self.progress = {rid: _Progress() for rid in es.rids}
 
-    async def events(self) -> AsyncIterator[str]:
+    async def events(self) -> AsyncIterator[Union[str, bytes]]:
         try:
             async for chunk in self.es.items(keepalive=True):
                 if chunk is None:

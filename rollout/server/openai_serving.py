@@ -4,7 +4,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from typing import Any, AsyncIterator, Callable, Optional
+from typing import Any, AsyncIterator, Callable, Optional, Union
 
 from starlette.requests import Request
 from starlette.responses import Response
@@ -298,7 +298,7 @@ class OpenAIServing:
             return json_response(answer)
         index = {rid: i for i, rid in enumerate(es.rids)}
 
-        async def events() -> AsyncIterator[str]:
+        async def events() -> AsyncIterator[Union[str, bytes]]:
             finals = []
             if opening is not None:
                 for rid in es.rids:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from typing import Any, AsyncIterator, Callable, Optional
+from typing import Any, AsyncIterator, Callable, Optional, Union
 
 import orjson
 from starlette.responses import Response, StreamingResponse
@@ -69,14 +69,15 @@ def json_response(obj: Any, status: int = 200) -> Response:
     return Response(dumps_bytes(obj), status_code=status, media_type="application/json")
 
 
-def sse(obj: Any) -> str:
-    return f"data: {dumps(obj)}\n\n"
+def sse(obj: Any) -> bytes:
+    """One server-sent event (bytes: StreamingResponse would encode a str again)."""
+    return b"data: " + dumps_bytes(obj) + b"\n\n"
 
 
 class SSEResponse(StreamingResponse):
     """text/event-stream that runs on_close however the response ends (done, error, disconnect)."""
 
-    def __init__(self, body: AsyncIterator[str], on_close: Callable[[], None]):
+    def __init__(self, body: AsyncIterator[Union[str, bytes]], on_close: Callable[[], None]):
         super().__init__(body, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         self._on_close = on_close
 
