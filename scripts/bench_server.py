@@ -107,6 +107,10 @@ def summarize(name: str, c: int, wall: float, tokens: int, gaps: list[float]) ->
 
 
 # ---- server side ----------------------------------------------------------------------------------
+def _forwards(stats: dict) -> tuple[int, int]:
+    return stats["num_prefill_forwards"], stats["num_decode_forwards"]
+
+
 class Server:
     def __init__(self, flags: list[str]):
         self.log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
@@ -131,6 +135,10 @@ class Server:
         """CPU time of the server's front-end process (HTTP, JSON, detokenization; not its engine)."""
         t = psutil.Process(self.proc.pid).cpu_times()
         return t.user + t.system
+
+    def forwards(self) -> tuple[int, int]:
+        """(prefill, decode) forwards the server's engine has run."""
+        return _forwards(httpx.get(self.url + "/server_info", timeout=30).json()["internal_states"][0])
 
     def stop(self) -> None:
         self.proc.send_signal(signal.SIGTERM)
@@ -231,11 +239,14 @@ def grpo_rows(model_path: str, repeats: int, seed: int, client_lib: str, cpu_thr
                 batch = grpo_batch(seed + i)
                 for name, run in (("python", lambda: grpo_python(engine, batch, 8)),
                                   ("server", lambda: asyncio.run(grpo_server(srv.url, batch, 8, client_lib)))):
-                    cpu0 = (time.process_time(), srv.cpu_seconds())
+                    count = srv.forwards if name == "server" else lambda: _forwards(engine.stats())
+                    cpu0, fw0 = (time.process_time(), srv.cpu_seconds()), count()
                     wall, tokens = run()
+                    fw = [b - a for a, b in zip(fw0, count())]
                     rows.append({"api": name, "repeat": i, "wall_s": wall, "tokens": tokens,
                                  "tokens_per_s": tokens / wall, "client_cpu_s": time.process_time() - cpu0[0],
-                                 "server_cpu_s": srv.cpu_seconds() - cpu0[1]})
+                                 "server_cpu_s": srv.cpu_seconds() - cpu0[1], "prefill_forwards": fw[0],
+                                 "decode_forwards": fw[1]})
     finally:
         srv.stop()
     ratios = sorted(s["tokens_per_s"] / p["tokens_per_s"] for p, s in zip(rows[::2], rows[1::2]))
@@ -299,10 +310,12 @@ def main() -> None:
               "Rollout.generate(n=8); logprobs + routing on")
         print(f"(client: {args.client}; CPU seconds of the benchmark process (the client, or the Python API's "
               f"front end) and of the server's front-end process during each run)")
-        print(f"{'api':<8}{'repeat':>8}{'tokens':>8}{'wall s':>9}{'tok/s':>9}{'client cpu s':>14}{'server cpu s':>14}")
+        print(f"{'api':<8}{'repeat':>8}{'tokens':>8}{'wall s':>9}{'tok/s':>9}{'client cpu s':>14}{'server cpu s':>14}"
+              f"{'prefill fw':>12}{'decode fw':>11}")
         for r in grpo["rows"]:
             print(f"{r['api']:<8}{r['repeat']:>8}{r['tokens']:>8}{r['wall_s']:>9.2f}{r['tokens_per_s']:>9.0f}"
-                  f"{r['client_cpu_s']:>14.2f}{r['server_cpu_s']:>14.2f}")
+                  f"{r['client_cpu_s']:>14.2f}{r['server_cpu_s']:>14.2f}{r['prefill_forwards']:>12}"
+                  f"{r['decode_forwards']:>11}")
         print(f"server/python tok/s per repeat: {', '.join(f'{x:.2f}' for x in grpo['ratios'])}; "
               f"median {grpo['median_ratio']:.2f}")
 

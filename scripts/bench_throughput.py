@@ -108,7 +108,8 @@ def worker(kind: str, model_path: str, num_prompts: int, n: int) -> tuple[float,
         return run_hf(model_path, prompts, max_news)
     capture = kind == "engine_capture"
     threads = spare_threads() if kind.startswith("engine_spare") else None
-    with Rollout(model_path, enable_return_routed_experts=capture, cpu_threads=threads) as engine:
+    client = "inproc" if kind == "engine_inproc" else "process"
+    with Rollout(model_path, enable_return_routed_experts=capture, cpu_threads=threads, client=client) as engine:
         run_engine(engine, prompts[:2], [m[:2] for m in max_news[:2]], capture)   # warm-up
         if not kind.endswith("busy_caller"):
             return run_engine(engine, prompts, max_news, capture)
@@ -127,6 +128,25 @@ def busy_torch_loop(stop: threading.Event) -> None:
     a = torch.randn(64, 64)
     while not stop.is_set():
         (a @ a).sum().item()
+
+
+def compare_inproc(args, total: int, res: dict) -> None:
+    runs: dict[str, list[float]] = {"engine": [], "engine_inproc": []}
+    for _ in range(args.repeats):
+        for kind, times in runs.items():
+            dt, tokens = in_fresh_process(kind, args.model_path, args.prompts, args.n)
+            assert tokens == total, (kind, tokens, total)
+            times.append(dt)
+    res.update({f"{k}_runs_s": v for k, v in runs.items()})
+    res.update({f"{k}_tok_s": total / statistics.median(v) for k, v in runs.items()})
+    per = ", ".join(f"{p / i:.2f}" for p, i in zip(runs["engine"], runs["engine_inproc"]))   # times: inverse
+    print("\n| client | output tok/s (median) | ratio |\n|---|---|---|")
+    print(f"| process (engine process, the default) | {res['engine_tok_s']:.0f} | 1.00 |")
+    print(f"| inproc (engine loop on a thread of the caller) | {res['engine_inproc_tok_s']:.0f} | "
+          f"{res['engine_inproc_tok_s'] / res['engine_tok_s']:.3f} (per repeat {per}) |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=2)
 
 
 def decode_batch(core: EngineCore, bsz: int, ctx: int) -> ForwardBatch:
@@ -191,6 +211,9 @@ def main(argv=None) -> None:
                     help="repeats of: engine capture off, engine capture on (fresh engine each), transformers; "
                          "and of the batch-64 overhead runs (medians reported)")
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--inproc", action="store_true",
+                    help="only: the engine process (default client) against the same engine loop on a thread of "
+                         "the caller (client='inproc', the layout before the engine had a process), alternating")
     ap.add_argument("--json", metavar="PATH")
     args = ap.parse_args(argv)
     torch.manual_seed(0)
@@ -204,6 +227,8 @@ def main(argv=None) -> None:
     # NOTE: every run in a fresh process, interleaved: one engine alive at a time (libgomp
     # throttles every OpenMP pool once more OpenMP threads exist than CPUs), each run from the
     # same process state, and the kinds side by side under the same background load.
+    if args.inproc:
+        return compare_inproc(args, total, res)
     t_off, t_on, t_busy, t_hf, t_spare, t_spare_busy = [], [], [], [], [], []
     useful = total
     kinds = [("engine", t_off), ("engine_capture", t_on), ("engine_busy_caller", t_busy),
