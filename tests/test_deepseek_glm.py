@@ -156,6 +156,17 @@ def test_prefill_then_decode_match_hf(tiny_checkpoint, arch, overrides):
 
 
 @pytest.mark.parametrize("arch", GROUPED_ARCHS)
+def test_idle_rank_forward_has_no_tokens(tiny_checkpoint, arch):
+    """An idle DP rank's forward (ForwardBatch.empty: 0 tokens) runs through MLA / GQA and the
+    grouped router and returns 0 rows (MLA's output reshape once raised on it, killing both
+    ranks of a dp=2 engine whenever one rank had nothing to do)."""
+    model, _ = load_model(tiny_checkpoint(arch), torch.float32)
+    with torch.no_grad():
+        out = model(ForwardBatch.empty(kv_pool=_pool(model)))
+    assert out.shape[0] == 0
+
+
+@pytest.mark.parametrize("arch", GROUPED_ARCHS)
 def test_segments_and_pieces_equal_one_forward(tiny_checkpoint, arch):
     """AttentionSegments and the piecewise prefill runner (static buffers, padding into the sink)
     give the logits, KV and routing of one whole-grid forward."""

@@ -74,4 +74,4 @@ class MLASelfAttention(nn.Module):
         """attn [N, H * R] (attention core output, latent space) -> [N, hidden]."""
         _, w_uv = self._w_kv()
         heads = torch.einsum("nhr,hvr->nhv", attn.view(-1, self.num_heads, self.rank), w_uv)  # [N, H, v]
-        return self.o_proj(heads.reshape(attn.shape[0], -1))
+        return self.o_proj(heads.reshape(attn.shape[0], self.num_heads * self.v_dim))   # NOTE: 0 rows on an idle DP rank
