@@ -18,7 +18,3 @@ class Submission:
         """groups[i]: the request ids made for prompt i."""
         return Submission(rids=[r for g in groups for r in g],
                           prompt_index={r: i for i, g in enumerate(groups) for r in g})
-
-    def prompts_of(self, rids: list[str]) -> list[int]:
-        """The distinct prompt indices of rids, in first-seen order."""
-        return list(dict.fromkeys(self.prompt_index[r] for r in rids))

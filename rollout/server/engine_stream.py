@@ -19,8 +19,12 @@ class EngineStream:
         self._inbox = engine.async_inbox()
         self.engine = engine
         self.submission = engine.submit(self._inbox.sink, **kwargs)
-        self.rids: list[str] = self.submission.rids
         self._pending = set(self.rids)
+
+    @property
+    def rids(self) -> list[str]:
+        """Request ids in output order (prompt-major)."""
+        return self.submission.rids
 
     @property
     def done(self) -> bool:

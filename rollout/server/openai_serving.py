@@ -291,7 +291,8 @@ class OpenAIServing:
                     choice["sglext"] = exts[-1]
                 choices.append(choice)
             self.metrics.finished(outs)
-            answer = {**meta, "object": whole, "choices": choices, "usage": self._usage(outs, es.submission.prompt_index),
+            usage = self._usage(outs, es.submission.prompt_index)
+            answer = {**meta, "object": whole, "choices": choices, "usage": usage,
                       "metadata": {"weight_version": outs[0].weight_version}}
             if exts and exts[0] is not None:
                 answer["sglext"] = exts[0]
@@ -322,7 +323,8 @@ class OpenAIServing:
             self.metrics.finished(finals)
             if include_usage:
                 finals.sort(key=lambda o: index[o.rid])
-                yield sse({**meta, "object": chunk_obj, "choices": [], "usage": self._usage(finals, es.submission.prompt_index)})
+                usage = self._usage(finals, es.submission.prompt_index)
+                yield sse({**meta, "object": chunk_obj, "choices": [], "usage": usage})
             yield "data: [DONE]\n\n"
 
         return SSEResponse(events(), es.close)
