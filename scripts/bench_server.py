@@ -17,6 +17,10 @@ runs go through `Rollout.async_generate(stream=True)` in-process ("python" rows)
 is the server's overhead (HTTP, JSON, SSE, base64 routing). Both alternate, best of --repeats. Response bytes per output token are
 measured for non-streaming and streaming /generate responses without routing and with each
 routing format.
+
+One HTTP client (one connection pool) serves every repeat against a server, opened and warmed
+before the first: slime keeps one global client for a whole training run, AReaL one session per
+engine, so a trainer's rollouts reuse kept-alive connections instead of opening one per request.
 """
 from __future__ import annotations
 
@@ -73,6 +77,11 @@ class HttpClient:
         r = await self.session.post(path, json=body)
         r.raise_for_status()
         return r.json()
+
+    async def warm(self) -> None:
+        """Opens the pool's connections (one concurrent 1-token request on each)."""
+        body = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 1}}
+        await asyncio.gather(*[self.post_json("/generate", body) for _ in range(self.connections - 8)])
 
     async def stream_lines(self, path: str, body: dict):
         if self.lib == "aiohttp":
@@ -146,8 +155,7 @@ class Server:
         os.unlink(self.log.name)
 
 
-async def server_run(url: str, prompts: list[list[list[int]]], params: dict,
-                     client_lib: str = "aiohttp") -> tuple[float, int, list[float]]:
+async def server_run(http: HttpClient, prompts: list[list[list[int]]], params: dict) -> tuple[float, int, list[float]]:
     gaps: list[float] = []
     tokens = 0
 
@@ -167,10 +175,9 @@ async def server_run(url: str, prompts: list[list[list[int]]], params: dict,
                 last = now
                 tokens += n
 
-    async with HttpClient(client_lib, url, len(prompts)) as http:
-        t0 = time.perf_counter()
-        await asyncio.gather(*[client(http, mine) for mine in prompts])
-        return time.perf_counter() - t0, tokens, gaps
+    t0 = time.perf_counter()
+    await asyncio.gather(*[client(http, mine) for mine in prompts])
+    return time.perf_counter() - t0, tokens, gaps
 
 
 def response_bytes(url: str, prompt_len: int, params: dict, seed: int) -> list[dict]:
@@ -204,17 +211,15 @@ def grpo_params(new: int, n: int = 1) -> dict:
     return {"temperature": 1.0, "max_new_tokens": new, "ignore_eos": True, "n": n}
 
 
-async def grpo_server(url: str, batch: list[tuple[list[int], int]], samples: int,
-                      client_lib: str = "aiohttp") -> tuple[float, int]:
-    async with HttpClient(client_lib, url, len(batch) * samples) as http:
-        async def one(ids: list[int], new: int) -> int:
-            body = {"input_ids": ids, "sampling_params": grpo_params(new), "return_logprob": True,
-                    "return_routed_experts": True}
-            return (await http.post_json("/generate", body))["meta_info"]["completion_tokens"]
+async def grpo_server(http: HttpClient, batch: list[tuple[list[int], int]], samples: int) -> tuple[float, int]:
+    async def one(ids: list[int], new: int) -> int:
+        body = {"input_ids": ids, "sampling_params": grpo_params(new), "return_logprob": True,
+                "return_routed_experts": True}
+        return (await http.post_json("/generate", body))["meta_info"]["completion_tokens"]
 
-        t0 = time.perf_counter()
-        counts = await asyncio.gather(*[one(ids, new) for ids, new in batch for _ in range(samples)])
-        return time.perf_counter() - t0, sum(counts)
+    t0 = time.perf_counter()
+    counts = await asyncio.gather(*[one(ids, new) for ids, new in batch for _ in range(samples)])
+    return time.perf_counter() - t0, sum(counts)
 
 
 def grpo_python(engine, batch: list[tuple[list[int], int]], samples: int) -> tuple[float, int]:
@@ -225,28 +230,30 @@ def grpo_python(engine, batch: list[tuple[list[int], int]], samples: int) -> tup
     return time.perf_counter() - t0, sum(len(o.output_ids) for o in outs)
 
 
-def grpo_rows(model_path: str, repeats: int, seed: int, client_lib: str, cpu_threads: Optional[int]) -> dict:
+async def grpo_rows(model_path: str, repeats: int, seed: int, client_lib: str, cpu_threads: Optional[int]) -> dict:
     from rollout import Rollout
 
     srv = Server(["--model-path", model_path, "--enable-return-routed-experts"] + threads_flag(cpu_threads))
     rows = []
     try:
         with Rollout(model_path, enable_return_routed_experts=True, cpu_threads=cpu_threads) as engine:
-            warm = grpo_batch(seed + 99, prompts=2, samples=2)
-            asyncio.run(grpo_server(srv.url, warm, 2, client_lib))
-            grpo_python(engine, warm, 2)
-            for i in range(repeats):
-                batch = grpo_batch(seed + i)
-                for name, run in (("python", lambda: grpo_python(engine, batch, 8)),
-                                  ("server", lambda: asyncio.run(grpo_server(srv.url, batch, 8, client_lib)))):
-                    count = srv.forwards if name == "server" else lambda: _forwards(engine.stats())
-                    cpu0, fw0 = (time.process_time(), srv.cpu_seconds()), count()
-                    wall, tokens = run()
-                    fw = [b - a for a, b in zip(fw0, count())]
-                    rows.append({"api": name, "repeat": i, "wall_s": wall, "tokens": tokens,
-                                 "tokens_per_s": tokens / wall, "client_cpu_s": time.process_time() - cpu0[0],
-                                 "server_cpu_s": srv.cpu_seconds() - cpu0[1], "prefill_forwards": fw[0],
-                                 "decode_forwards": fw[1]})
+            async with HttpClient(client_lib, srv.url, 24 * 8) as http:
+                await http.warm()
+                warm = grpo_batch(seed + 99, prompts=2, samples=2)
+                await grpo_server(http, warm, 2)
+                grpo_python(engine, warm, 2)
+                for i in range(repeats):
+                    batch = grpo_batch(seed + i)
+                    for name in ("python", "server"):
+                        count = srv.forwards if name == "server" else lambda: _forwards(engine.stats())
+                        cpu0, fw0 = (time.process_time(), srv.cpu_seconds()), count()
+                        wall, tokens = grpo_python(engine, batch, 8) if name == "python" \
+                            else await grpo_server(http, batch, 8)
+                        fw = [b - a for a, b in zip(fw0, count())]
+                        rows.append({"api": name, "repeat": i, "wall_s": wall, "tokens": tokens,
+                                     "tokens_per_s": tokens / wall, "client_cpu_s": time.process_time() - cpu0[0],
+                                     "server_cpu_s": srv.cpu_seconds() - cpu0[1], "prefill_forwards": fw[0],
+                                     "decode_forwards": fw[1]})
     finally:
         srv.stop()
     ratios = sorted(s["tokens_per_s"] / p["tokens_per_s"] for p, s in zip(rows[::2], rows[1::2]))
@@ -281,6 +288,10 @@ async def python_run(engine, prompts: list[list[list[int]]], params: dict) -> tu
 
 
 def main() -> None:
+    asyncio.run(amain())
+
+
+async def amain() -> None:
     from rollout.config import DEFAULT_MODEL_PATH
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -304,7 +315,7 @@ def main() -> None:
     flags += threads_flag(args.cpu_threads)
     results: dict = {"config": vars(args), "throughput": [], "bytes": []}
     if args.grpo_repeats:
-        results["grpo"] = grpo = grpo_rows(args.model_path, args.grpo_repeats, args.seed, args.client,
+        results["grpo"] = grpo = await grpo_rows(args.model_path, args.grpo_repeats, args.seed, args.client,
                                              args.cpu_threads)
         print("\nGRPO batch: 24 prompts x 8 samples, one non-streaming /generate per sample vs one "
               "Rollout.generate(n=8); logprobs + routing on")
@@ -327,18 +338,20 @@ def main() -> None:
     try:
         with Rollout(args.model_path, enable_return_routed_experts=True, enable_prefix_caching=False,
                      cpu_threads=args.cpu_threads) as engine:
-            for c in args.concurrency:
-                warm = workload(c, args.prompt_len, args.seed + 99)[:1]
-                asyncio.run(server_run(srv.url, warm, params))
-                asyncio.run(python_run(engine, warm, params))
-                best: dict = {}
-                for _ in range(args.repeats):
-                    for name, run in (("python", lambda w: python_run(engine, w, params)),
-                                      ("server", lambda w: server_run(srv.url, w, params, args.client))):
-                        r = summarize(name, c, *asyncio.run(run(workload(c, args.prompt_len, args.seed))))
-                        if name not in best or r["tokens_per_s"] > best[name]["tokens_per_s"]:
-                            best[name] = r
-                results["throughput"] += [best["python"], best["server"]]
+            async with HttpClient(args.client, srv.url, max(args.concurrency)) as http:
+                await http.warm()
+                for c in args.concurrency:
+                    warm = workload(c, args.prompt_len, args.seed + 99)[:1]
+                    await server_run(http, warm, params)
+                    await python_run(engine, warm, params)
+                    best: dict = {}
+                    for _ in range(args.repeats):
+                        for name, run in (("python", lambda w: python_run(engine, w, params)),
+                                          ("server", lambda w: server_run(http, w, params))):
+                            r = summarize(name, c, *await run(workload(c, args.prompt_len, args.seed)))
+                            if name not in best or r["tokens_per_s"] > best[name]["tokens_per_s"]:
+                                best[name] = r
+                    results["throughput"] += [best["python"], best["server"]]
         results["bytes"] = response_bytes(srv.url, args.prompt_len, params, args.seed)
     finally:
         srv.stop()

@@ -156,3 +156,25 @@ def test_cpu_threads_sets_the_engine_process_threads_only(tiny_checkpoint):
         out = engine.generate(input_ids=prompts(4, [9]), sampling_params={**GREEDY, "max_new_tokens": 4})
         assert len(out[0].output_ids) == 4
     assert torch.get_num_threads() == mine   # the caller's pool is left alone
+
+
+def test_a_streaming_step_leaves_the_front_end_a_thread(tiny_checkpoint):
+    """cpu_reserve: the forwards that follow a step which sent stream deltas run with fewer threads;
+    a non-streaming batch never does (rollout/core/cpu_threads.py)."""
+    from rollout.config import DEFAULT_MODEL_PATH, EngineConfig
+
+    with pytest.raises(ValueError, match="cpu_reserve"):
+        EngineConfig(model_path=DEFAULT_MODEL_PATH, cpu_reserve=-1)
+    path = tiny_checkpoint("qwen3_moe")
+    params = {**GREEDY, "max_new_tokens": 6}
+    with make_engine(path, cpu_threads=2, cpu_reserve=1) as engine:
+        st = engine.stats()
+        assert (st["cpu_threads"], st["cpu_threads_front_end_busy"], st["steps_front_end_busy"]) == (2, 1, 0)
+        plain = engine.generate(input_ids=prompts(3, [9]), sampling_params=params)
+        assert engine.stats()["steps_front_end_busy"] == 0
+        chunks = list(engine.generate(input_ids=prompts(3, [9])[:1], sampling_params=params, stream=True))
+        # a delta after each of the first 5 tokens, each followed by a forward (the 6th finishes)
+        assert engine.stats()["steps_front_end_busy"] == 5
+        assert [t for c in chunks for t in c.output_ids] == plain[0].output_ids
+    with make_engine(path, cpu_threads=2, cpu_reserve=0) as engine:
+        assert engine.stats()["cpu_threads_front_end_busy"] == 2

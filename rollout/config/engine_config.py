@@ -102,6 +102,11 @@ class EngineConfig:
     # and the caller's own work on small hosts (docs/architecture.md).
     cpu_threads: Optional[int] = field(default=None, metadata=flag(
         type=int, help="CPU device: torch threads per engine process (default: the usable CPUs / dp-size)"))
+    # CPU engines: threads given up in a forward that runs while the front end turns the previous
+    # step's stream deltas into chunks, so that the two do not contend for a core
+    # (rollout/core/cpu_threads.py).
+    cpu_reserve: int = field(default=1, metadata=flag(
+        type=int, help="CPU device: threads an engine leaves to the front end while requests stream (0: never)"))
     # NOTE: a device budget for the routed-expert capture buffer; a config whose forwards need more
     # rows (capture_buffer_rows) is rejected at startup, naming the values. None = no cap.
     max_capture_buffer_rows: Optional[int] = field(default=None, metadata=flag(
@@ -142,6 +147,7 @@ class EngineConfig:
         _positive_int("context_length", self.context_length, allow_none=True, minimum=2)
         _positive_int("dp_size", self.dp_size)
         _positive_int("cpu_threads", self.cpu_threads, allow_none=True)
+        _positive_int("cpu_reserve", self.cpu_reserve, minimum=0)
         _positive_int("max_capture_buffer_rows", self.max_capture_buffer_rows, allow_none=True)
         if self.profile_graph_capture_dir is not None and (
                 not isinstance(self.profile_graph_capture_dir, str) or not self.profile_graph_capture_dir):

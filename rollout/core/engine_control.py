@@ -24,6 +24,7 @@ class EngineControl:
     stats: dict
     weight_version: Optional[str]
     _expert_report: dict
+    cpu_threads: Any   # Optional[CpuThreads]
 
     PAUSE_MODES = PAUSE_MODES
     paused_mode: Optional[str] = None      # None (running) | "abort" | "retract" | "in_place"
@@ -137,7 +138,8 @@ class EngineControl:
                     waiting=len(self.scheduler.waiting),
                     capture_buffer_bytes=self.capturer.buffer.nbytes if self.capturer is not None else 0,
                     capture_store_bytes=self.capturer.store.nbytes if self.capturer is not None else 0,
-                    cpu_threads=torch.get_num_threads())
+                    **(self.cpu_threads.report() if self.cpu_threads is not None
+                       else {"cpu_threads": torch.get_num_threads()}))
 
     def recent_layouts(self) -> list:
         """The GatherLayouts of the latest forwards (oldest first), for tests and debugging."""

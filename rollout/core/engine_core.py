@@ -16,6 +16,7 @@ import torch
 from capture.buffer_sizing import ForwardShapeLimits, capture_buffer_rows
 from capture.capturer import RoutedExpertsCapturer
 from rollout.config import EngineConfig
+from rollout.core.cpu_threads import CpuThreads
 from rollout.core.engine_control import EngineControl
 from rollout.core.host_malloc import tune_glibc_malloc
 from rollout.core.kv_pool import KVPool
@@ -40,14 +41,16 @@ CONTROL_BUDGET_S = 0.01  # answers to aborted waiting requests per step; the res
 
 
 class EngineCore(EngineControl):
-    def __init__(self, cfg: EngineConfig, *, ep_group: Optional[Any] = None):
+    def __init__(self, cfg: EngineConfig, *, ep_group: Optional[Any] = None, cpu_threads: Optional[CpuThreads] = None):
         """One DP rank's engine. ep_group: this rank's EPGroup when dp_size > 1 (a DP worker builds
-        it: rollout/core/engine_proc.py, one process per rank)."""
+        it: rollout/core/engine_proc.py, one process per rank). cpu_threads: the process's torch
+        threads, when the engine owns its process (EngineLoop sets them per forward)."""
         if cfg.dp_size > 1 and ep_group is None:
             raise ValueError(f"dp_size={cfg.dp_size}: EngineCore runs one DP rank and needs its ep_group; "
                              f"use Rollout for dp_size > 1")
         self.cfg = cfg
         self.ep_group = ep_group
+        self.cpu_threads = cpu_threads
         self.dp_rank = ep_group.rank if ep_group is not None else 0
         self.device = torch.device(cfg.device)
         if self.device.type == "cpu":

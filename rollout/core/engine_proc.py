@@ -18,6 +18,7 @@ from typing import Any, Optional
 import torch
 
 from rollout.config import EngineConfig
+from rollout.core.cpu_threads import CpuThreads
 from rollout.core.engine_loop import EngineLoop, StepSync
 from rollout.core.engine_core import EngineCore
 from rollout.ipc.messages import Fatal, Ready, StepOut
@@ -72,13 +73,12 @@ def engine_main(config: dict, rank: int, to_engine_addr: str, from_engine_addr: 
     core: Optional[EngineCore] = None
     try:
         cfg = EngineConfig(**config)
-        if not cfg.device.startswith("cuda"):
-            torch.set_num_threads(cfg.resolved_cpu_threads)
+        threads = None if cfg.device.startswith("cuda") else CpuThreads(cfg.resolved_cpu_threads, cfg.cpu_reserve)
         ep_group = sync = None
         if cfg.dp_size > 1:
             cfg, ep_group = _join_dp_group(cfg, rank, store_port)
             sync = StepSync(ep_group.device)
-        core = EngineCore(cfg, ep_group=ep_group)
+        core = EngineCore(cfg, ep_group=ep_group, cpu_threads=threads)
         sockets.send(Ready(info={"kv_capacity": core.kv_capacity, "context_length": core.context_length,
                                  "weight_version": core.weight_version, "pid": os.getpid()}))
         EngineLoop(core, sockets, sync=sync, alive=lambda: _pid_alive(parent_pid)).run()

@@ -1,0 +1,38 @@
+"""CpuThreads: the torch intra-op threads of a CPU engine process, chosen per forward.
+
+While requests stream, the engine sends every step's deltas and the front end (the HTTP server or
+the caller's Python API) turns them into chunks while the engine runs its next forward. On a host
+without a spare core the two then contend: one of the engine's OpenMP threads is preempted and
+the others wait for it at every barrier. Measured on 2 CPUs with 64 streams, one thread beat two
+on both the server and the Python API, while a non-streaming GRPO batch (the front end idle
+between steps) ran faster with two (docs/benchmarks.md).
+
+So a forward that follows a step which sent stream deltas runs with `reserve` threads fewer, and
+every other forward with all of them. vLLM's CPU backend likewise keeps a core for its front end.
+"""
+from __future__ import annotations
+
+import torch
+
+
+class CpuThreads:
+    def __init__(self, threads: int, reserve: int):
+        self.quiet = threads
+        self.busy = max(1, threads - reserve)
+        self._current = 0
+        self.steps_front_end_busy = 0   # steps that ran with self.busy because requests streamed
+        self._set(self.quiet)
+
+    def use(self, front_end_busy: bool) -> None:
+        """Sets the threads of the next step's forward."""
+        self.steps_front_end_busy += front_end_busy
+        self._set(self.busy if front_end_busy else self.quiet)
+
+    def _set(self, n: int) -> None:
+        if n != self._current:
+            torch.set_num_threads(n)
+            self._current = n
+
+    def report(self) -> dict:
+        return {"cpu_threads": self.quiet, "cpu_threads_front_end_busy": self.busy,
+                "steps_front_end_busy": self.steps_front_end_busy}
