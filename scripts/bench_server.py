@@ -2,7 +2,7 @@
 
     python scripts/bench_server.py [--model-path DIR] [--concurrency 1 16 64] [--prompt-len 32]
                                    [--max-new-tokens 64] [--stream-interval 1] [--grpo-repeats 3]
-                                   [--json PATH]
+                                   [--cpu-threads N] [--cpu-reserve N] [--json PATH]
 
 GRPO batch (first): 24 prompts x 8 samples (prompts of 32-200 tokens, 16-128 new tokens per
 prompt, temperature 1, ignore_eos, logprobs and routing on) sent the way slime sends it, one
@@ -36,7 +36,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Optional
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -230,13 +229,14 @@ def grpo_python(engine, batch: list[tuple[list[int], int]], samples: int) -> tup
     return time.perf_counter() - t0, sum(len(o.output_ids) for o in outs)
 
 
-async def grpo_rows(model_path: str, repeats: int, seed: int, client_lib: str, cpu_threads: Optional[int]) -> dict:
+async def grpo_rows(model_path: str, repeats: int, seed: int, client_lib: str, cpu: dict) -> dict:
     from rollout import Rollout
 
-    srv = Server(["--model-path", model_path, "--enable-return-routed-experts"] + threads_flag(cpu_threads))
+    srv = Server(["--model-path", model_path, "--enable-return-routed-experts"] + cpu_flags(cpu))
     rows = []
     try:
-        with Rollout(model_path, enable_return_routed_experts=True, cpu_threads=cpu_threads) as engine:
+        with Rollout(model_path, enable_return_routed_experts=True,
+                     **{k: v for k, v in cpu.items() if v is not None}) as engine:
             async with HttpClient(client_lib, srv.url, 24 * 8) as http:
                 await http.warm()
                 warm = grpo_batch(seed + 99, prompts=2, samples=2)
@@ -260,8 +260,9 @@ async def grpo_rows(model_path: str, repeats: int, seed: int, client_lib: str, c
     return {"rows": rows, "ratios": ratios, "median_ratio": ratios[len(ratios) // 2], "client": client_lib}
 
 
-def threads_flag(cpu_threads: Optional[int]) -> list[str]:
-    return [] if cpu_threads is None else ["--cpu-threads", str(cpu_threads)]
+def cpu_flags(cpu: dict) -> list[str]:
+    """The server flags of the engine settings `cpu` (cpu_threads, cpu_reserve) that are set."""
+    return [x for k, v in cpu.items() if v is not None for x in ("--" + k.replace("_", "-"), str(v))]
 
 
 # ---- python side ----------------------------------------------------------------------------------
@@ -307,16 +308,18 @@ async def amain() -> None:
                     help="the load generator's HTTP client (it shares the machine's cores with the server)")
     ap.add_argument("--cpu-threads", type=int, default=None,
                     help="torch threads of the engine process, both sides (default: every usable CPU)")
+    ap.add_argument("--cpu-reserve", type=int, default=None,
+                    help="threads the engine leaves to the front end while requests stream, both sides (default: 0)")
     ap.add_argument("--json", default=None, help="write the results here")
     args = ap.parse_args()
     params = {"temperature": 0.0, "max_new_tokens": args.max_new_tokens, "ignore_eos": True,
               "stream_interval": args.stream_interval}
     flags = ["--model-path", args.model_path, "--enable-return-routed-experts", "--disable-prefix-caching"]
-    flags += threads_flag(args.cpu_threads)
+    cpu = {"cpu_threads": args.cpu_threads, "cpu_reserve": args.cpu_reserve}
+    flags += cpu_flags(cpu)
     results: dict = {"config": vars(args), "throughput": [], "bytes": []}
     if args.grpo_repeats:
-        results["grpo"] = grpo = await grpo_rows(args.model_path, args.grpo_repeats, args.seed, args.client,
-                                             args.cpu_threads)
+        results["grpo"] = grpo = await grpo_rows(args.model_path, args.grpo_repeats, args.seed, args.client, cpu)
         print("\nGRPO batch: 24 prompts x 8 samples, one non-streaming /generate per sample vs one "
               "Rollout.generate(n=8); logprobs + routing on")
         print(f"(client: {args.client}; CPU seconds of the benchmark process (the client, or the Python API's "
@@ -337,7 +340,7 @@ async def amain() -> None:
     srv = Server(flags)
     try:
         with Rollout(args.model_path, enable_return_routed_experts=True, enable_prefix_caching=False,
-                     cpu_threads=args.cpu_threads) as engine:
+                     **{k: v for k, v in cpu.items() if v is not None}) as engine:
             async with HttpClient(args.client, srv.url, max(args.concurrency)) as http:
                 await http.warm()
                 for c in args.concurrency:

@@ -137,8 +137,8 @@ ENGINE_FLAGS_BEFORE = {
     # added since: engine threads of a CPU engine process
     "--cpu-threads": (None, None, int, None,
                       "CPU device: torch threads per engine process (default: the usable CPUs / dp-size)"),
-    "--cpu-reserve": (1, None, int, None,
-                      "CPU device: threads an engine leaves to the front end while requests stream (0: never)"),
+    "--cpu-reserve": (0, None, int, None,
+                      "CPU device: threads an engine leaves to the front end while requests stream (default 0)"),
     "--enable-return-routed-experts": (False, 0, None, None, "capture routed experts so requests may ask for them"),
     "--max-running-requests": (128, None, int, None, None),
     "--chunked-prefill-size": (1024, None, int, None, "tokens per prefill forward; -1 or 0 = whole prompts"),

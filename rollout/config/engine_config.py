@@ -104,9 +104,11 @@ class EngineConfig:
         type=int, help="CPU device: torch threads per engine process (default: the usable CPUs / dp-size)"))
     # CPU engines: threads given up in a forward that runs while the front end turns the previous
     # step's stream deltas into chunks, so that the two do not contend for a core
-    # (rollout/core/cpu_threads.py).
-    cpu_reserve: int = field(default=1, metadata=flag(
-        type=int, help="CPU device: threads an engine leaves to the front end while requests stream (0: never)"))
+    # (rollout/core/cpu_threads.py). Off by default: a forward's float results depend on its thread
+    # count, so with it a request's logprobs differ in the last bits between streamed and
+    # non-streamed runs.
+    cpu_reserve: int = field(default=0, metadata=flag(
+        type=int, help="CPU device: threads an engine leaves to the front end while requests stream (default 0)"))
     # NOTE: a device budget for the routed-expert capture buffer; a config whose forwards need more
     # rows (capture_buffer_rows) is rejected at startup, naming the values. None = no cap.
     max_capture_buffer_rows: Optional[int] = field(default=None, metadata=flag(

@@ -9,6 +9,9 @@ between steps) ran faster with two (docs/benchmarks.md).
 
 So a forward that follows a step which sent stream deltas runs with `reserve` threads fewer, and
 every other forward with all of them. vLLM's CPU backend likewise keeps a core for its front end.
+The price: a forward's float results depend on its thread count, so a request's logprobs then
+differ in the last bits between streamed and non-streamed runs; `cpu_reserve` is 0 (off) unless
+set.
 """
 from __future__ import annotations
 

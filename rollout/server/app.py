@@ -16,6 +16,7 @@ body size) and error_handlers.py wrap them all.
 from __future__ import annotations
 
 import asyncio
+import gc
 import inspect
 import logging
 import socket
@@ -130,6 +131,12 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             threading.Timer(ENGINE_DEAD_EXIT_DELAY_S, lambda: setattr(server, "should_exit", True)).start()
 
         engine.add_dead_listener(on_engine_dead)
+        # NOTE: the objects built so far (torch, transformers, FastAPI, the tokenizer) live as long as
+        # the server; frozen, the collector no longer walks them: each full collection while serving
+        # took ~190 ms of the event loop's time (2 in 3 GRPO batches), ~20 ms frozen. vLLM freezes
+        # its server's startup heap the same way (freeze_gc_heap, vllm/utils/gc_utils.py).
+        gc.collect()
+        gc.freeze()
         server.run(sockets=[sock])
     finally:
         engine.shutdown()
