@@ -35,6 +35,14 @@ def derive_seed(seed: int, index: int) -> int:
     return (x ^ (x >> 31)) & (2**63 - 1)
 
 
+_INT = frozenset({int})
+
+
+def _all_ints(values: Any) -> bool:
+    """Every value an int (bool included, as isinstance says), checked per distinct type."""
+    return all(issubclass(t, int) for t in set(map(type, values)))
+
+
 class RequestBuilder:
     def __init__(self, *, config: EngineConfig, info: Any, tokenizer: Tokenizer, context_length: int,
                  kv_capacity: int, routing: Optional[RoutingShape]):
@@ -58,7 +66,7 @@ class RequestBuilder:
             batch = [self.tokenizer.encode(p) for p in prompts]
             name = "prompts"
         else:
-            if isinstance(input_ids, (list, tuple)) and input_ids and all(isinstance(t, int) for t in input_ids):
+            if isinstance(input_ids, (list, tuple)) and input_ids and _all_ints(input_ids):
                 input_ids = [input_ids]
             if not isinstance(input_ids, (list, tuple)) or not all(isinstance(p, (list, tuple)) for p in input_ids):
                 raise ValueError("input_ids must be a list of token ids or a list of such lists")
@@ -70,9 +78,11 @@ class RequestBuilder:
         for i, ids in enumerate(batch):
             if not ids:
                 raise ValueError(f"{name}[{i}] is empty: a prompt needs at least one token")
-            for t in ids:
-                if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
-                    raise ValueError(f"input_ids[{i}] holds {t!r}; token ids must be integers in [0, {vocab})")
+            # NOTE: the loop (~0.2 us a token) only when the C-level checks find something wrong
+            if not (set(map(type, ids)) <= _INT and 0 <= min(ids) and max(ids) < vocab):
+                for t in ids:
+                    if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
+                        raise ValueError(f"input_ids[{i}] holds {t!r}; token ids must be integers in [0, {vocab})")
             if len(ids) >= self.context_length:
                 raise ValueError(f"{name}[{i}] has {len(ids)} tokens; the context limit is "
                                  f"{self.context_length} (context_length), prompt must be shorter")
