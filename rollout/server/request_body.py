@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 
+import orjson
 from starlette.requests import Request
 
 from rollout.server.responses import ApiError
@@ -16,9 +17,15 @@ async def read_json(request: Request, *, allow_empty: bool = False) -> dict:
             return {}
         raise ApiError(400, "the request body must be a JSON object")
     try:
-        obj = json.loads(raw)
-    except (ValueError, RecursionError) as exc:
-        raise ApiError(400, f"malformed JSON body: {exc}"[:300]) from None
+        obj = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        # NOTE: what orjson refuses and the standard library reads (NaN literals, integers over 64
+        # bits, escaped lone surrogates) gets the standard library's reading, so that validation
+        # names the field; malformed JSON gets its message
+        try:
+            obj = json.loads(raw)
+        except (ValueError, RecursionError) as exc:
+            raise ApiError(400, f"malformed JSON body: {exc}"[:300]) from None
     if not isinstance(obj, dict):
         raise ApiError(400, "the request body must be a JSON object")
     if body_may_hold_surrogates(raw):
