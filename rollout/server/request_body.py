@@ -19,9 +19,10 @@ async def read_json(request: Request, *, allow_empty: bool = False) -> dict:
     try:
         obj = orjson.loads(raw)
     except orjson.JSONDecodeError:
-        # NOTE: what orjson refuses and the standard library reads (NaN literals, integers over 64
-        # bits, escaped lone surrogates) gets the standard library's reading, so that validation
-        # names the field; malformed JSON gets its message
+        # NOTE: what orjson refuses and the standard library reads (NaN literals, numbers past a
+        # double's range, escaped lone surrogates) gets the standard library's reading, so that
+        # validation names the field; malformed JSON gets its message. orjson reads an integer
+        # over 64 bits as a float: no field accepts one, and the 400 names the same field.
         try:
             obj = json.loads(raw)
         except (ValueError, RecursionError) as exc:
