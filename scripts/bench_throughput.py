@@ -22,6 +22,7 @@ import subprocess
 import sys
 import threading
 import time
+from typing import Optional
 
 import torch
 
@@ -144,9 +145,14 @@ def compare_inproc(args, total: int, res: dict) -> None:
     print(f"| process (engine process, the default) | {res['engine_tok_s']:.0f} | 1.00 |")
     print(f"| inproc (engine loop on a thread of the caller) | {res['engine_inproc_tok_s']:.0f} | "
           f"{res['engine_inproc_tok_s'] / res['engine_tok_s']:.3f} (per repeat {per}) |")
-    if args.json:
-        with open(args.json, "w") as f:
+    write_json(args.json, res)
+
+
+def write_json(path: Optional[str], res: dict) -> None:
+    if path:
+        with open(path, "w") as f:
             json.dump(res, f, indent=2)
+        print(f"wrote {path}")
 
 
 def decode_batch(core: EngineCore, bsz: int, ctx: int) -> ForwardBatch:
@@ -305,10 +311,7 @@ def main(argv=None) -> None:
     print()
     bench_wire.print_table(wire)
     res["wire"] = wire
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(res, f, indent=2)
-        print(f"wrote {args.json}")
+    write_json(args.json, res)
 
 
 if __name__ == "__main__":

@@ -26,6 +26,11 @@ class CpuThreads:
         self.steps_front_end_busy = 0   # steps that ran with self.busy because requests streamed
         self._set(self.quiet)
 
+    @property
+    def switches(self) -> bool:
+        """Whether the threads differ by step (cpu_reserve > 0 and more than one thread)."""
+        return self.busy != self.quiet
+
     def use(self, front_end_busy: bool) -> None:
         """Sets the threads of the next step's forward."""
         self.steps_front_end_busy += front_end_busy

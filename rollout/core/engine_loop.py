@@ -154,7 +154,10 @@ class EngineLoop:
         self.commands = EngineCommands(core)
         self.stopping = False
         self.steps = 0
-        self.streamed = False   # the previous message carried stream deltas (the front end works on them)
+        # the CPU threads that change by step, if any (rollout/core/cpu_threads.py), and whether the
+        # previous message carried stream deltas (the front end works on them meanwhile)
+        self.threads = core.cpu_threads if core.cpu_threads is not None and core.cpu_threads.switches else None
+        self.streamed = False
 
     def _handle(self, msg: ToEngine, replies: list[Reply]) -> None:
         if isinstance(msg, AddReqs):
@@ -201,8 +204,8 @@ class EngineLoop:
                 self._send(replies)
                 return
             if work:
-                if core.cpu_threads is not None:
-                    core.cpu_threads.use(front_end_busy=self.streamed)
+                if self.threads is not None:
+                    self.threads.use(front_end_busy=self.streamed)
                 core.step()
                 self.steps += 1
             self._send(replies, stepped=work)
@@ -213,6 +216,7 @@ class EngineLoop:
         """One message per step that ran (its step count is how the front end knows the engine
         lives), or when a call needs its reply."""
         updates = self.core.take_updates()
-        self.streamed = any(not u.finished for u in updates)
+        if self.threads is not None:
+            self.streamed = any(not u.finished for u in updates)
         if updates or replies or stepped:
             self.endpoint.send(StepOut(updates=updates, replies=replies, steps=self.steps))

@@ -61,10 +61,6 @@ def dumps_bytes(obj: Any) -> bytes:
         return json.dumps(_finite(obj), ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
 
 
-def dumps(obj: Any) -> str:
-    return dumps_bytes(obj).decode()
-
-
 def json_response(obj: Any, status: int = 200) -> Response:
     return Response(dumps_bytes(obj), status_code=status, media_type="application/json")
 
