@@ -2,7 +2,8 @@
 
     python scripts/bench_server.py [--model-path DIR] [--concurrency 1 16 64] [--prompt-len 32]
                                    [--max-new-tokens 64] [--stream-interval 1] [--grpo-repeats 3]
-                                   [--cpu-threads N] [--cpu-reserve N] [--json PATH]
+                                   [--cpu-threads N] [--cpu-reserve N] [--cpu-affinity N ...]
+                                   [--json PATH]
 
 GRPO batch (first): 24 prompts x 8 samples (prompts of 32-200 tokens, 16-128 new tokens per
 prompt, temperature 1, ignore_eos, logprobs and routing on) sent the way slime sends it, one
@@ -21,6 +22,10 @@ routing format.
 One HTTP client (one connection pool) serves every repeat against a server, opened and warmed
 before the first: slime keeps one global client for a whole training run, AReaL one session per
 engine, so a trainer's rollouts reuse kept-alive connections instead of opening one per request.
+
+With --cpu-affinity the engine processes of both sides run on the CPUs listed, and everything
+else on the usable CPUs left: this process (the load generator, the Python API's front end) and
+rollout-serve's front end (which moves itself there).
 """
 from __future__ import annotations
 
@@ -261,8 +266,9 @@ async def grpo_rows(model_path: str, repeats: int, seed: int, client_lib: str, c
 
 
 def cpu_flags(cpu: dict) -> list[str]:
-    """The server flags of the engine settings `cpu` (cpu_threads, cpu_reserve) that are set."""
-    return [x for k, v in cpu.items() if v is not None for x in ("--" + k.replace("_", "-"), str(v))]
+    """The server flags of the engine settings `cpu` (cpu_threads, cpu_reserve, cpu_affinity) that are set."""
+    return [x for k, v in cpu.items() if v is not None
+            for x in ("--" + k.replace("_", "-"), *map(str, v if isinstance(v, (list, tuple)) else [v]))]
 
 
 # ---- python side ----------------------------------------------------------------------------------
@@ -310,12 +316,20 @@ async def amain() -> None:
                     help="torch threads of the engine process, both sides (default: every usable CPU)")
     ap.add_argument("--cpu-reserve", type=int, default=None,
                     help="threads the engine leaves to the front end while requests stream, both sides (default: 0)")
+    ap.add_argument("--cpu-affinity", type=int, nargs="+", default=None,
+                    help="CPUs of the engine processes, both sides; the rest of the work runs on the other CPUs")
     ap.add_argument("--json", default=None, help="write the results here")
     args = ap.parse_args()
+    rest = set(os.sched_getaffinity(0)) - set(args.cpu_affinity or ())
+    if args.cpu_affinity and rest:
+        from rollout.cpu_affinity import pin_process
+
+        pin_process(rest)
     params = {"temperature": 0.0, "max_new_tokens": args.max_new_tokens, "ignore_eos": True,
               "stream_interval": args.stream_interval}
     flags = ["--model-path", args.model_path, "--enable-return-routed-experts", "--disable-prefix-caching"]
-    cpu = {"cpu_threads": args.cpu_threads, "cpu_reserve": args.cpu_reserve}
+    cpu = {"cpu_threads": args.cpu_threads, "cpu_reserve": args.cpu_reserve,
+           "cpu_affinity": tuple(args.cpu_affinity) if args.cpu_affinity else None}
     flags += cpu_flags(cpu)
     results: dict = {"config": vars(args), "throughput": [], "bytes": []}
     if args.grpo_repeats:

@@ -4,9 +4,10 @@ Workload: P prompts of 32-256 tokens, n samples each, per-request max_new_tokens
 16-256, ignore_eos. Measured side by side in one run, each in a fresh process, interleaved:
   engine (capture off) | engine (capture on, return_routed_experts) | transformers generate
   (one batch of all requests to the largest max_new_tokens, truncated)
-  | engine with a busy torch loop in a thread of the caller, against the quiet engine: once with
-  the engine on every CPU (the default) and once with one CPU left to the caller
-  (cpu_threads = CPUs - 1, quiet and busy)
+  | engine with a busy torch loop in a thread of the caller, against the quiet engine: with the
+  engine on every CPU (the default); with one CPU left to the caller (cpu_threads = CPUs - 1,
+  quiet and busy); and with the CPUs split (the engine pinned to all but the first,
+  cpu_affinity, and the caller to the first, quiet and busy)
 then the model's bare forward at decode batch sizes, and the engine's decode step time at
 batch 64 against the model forward inside that step.
 Also the routing wire size per token and host store bytes per KV slot (scripts/bench_wire.py).
@@ -31,6 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from rollout import Rollout  # noqa: E402
 from rollout.config import DEFAULT_MODEL_PATH, EngineConfig  # noqa: E402
+from rollout.cpu_affinity import pin_process  # noqa: E402
 from rollout.core.engine_core import EngineCore  # noqa: E402
 from rollout.exec.forward_batch import ForwardBatch  # noqa: E402
 from rollout.core.request import Req  # noqa: E402
@@ -85,7 +87,8 @@ def run_hf(model_path: str, prompts, max_news) -> tuple[float, int]:
 
 def in_fresh_process(kind: str, model_path: str, num_prompts: int, n: int) -> tuple[float, int]:
     """One measured run in a fresh Python process: kind "engine", "engine_capture", "engine_busy_caller"
-    (capture off, a busy torch loop in a thread of the caller meanwhile) or "hf".
+    (capture off, a busy torch loop in a thread of the caller meanwhile), "engine_spare[_busy_caller]"
+    (cpu_threads = CPUs - 1), "engine_pinned[_busy_caller]" (split_cpus), "engine_inproc" or "hf".
     Every run starts from the same state (no malloc tuning, OpenMP pools, heap or page layout
     left by earlier runs), as a user's job would; the caller interleaves the kinds."""
     code = ("import json, sys; sys.path.insert(0, sys.argv[1]); import bench_throughput as b; "
@@ -101,6 +104,12 @@ def spare_threads() -> int:
     return max(1, EngineConfig(model_path=DEFAULT_MODEL_PATH).resolved_cpu_threads - 1)
 
 
+def split_cpus() -> tuple[list[int], list[int]]:
+    """(the caller's CPUs, the engine's): the first usable CPU, and the rest."""
+    usable = sorted(os.sched_getaffinity(0))
+    return usable[:1], usable[1:]
+
+
 def worker(kind: str, model_path: str, num_prompts: int, n: int) -> tuple[float, int]:
     from transformers import AutoConfig
 
@@ -110,7 +119,11 @@ def worker(kind: str, model_path: str, num_prompts: int, n: int) -> tuple[float,
     capture = kind == "engine_capture"
     threads = spare_threads() if kind.startswith("engine_spare") else None
     client = "inproc" if kind == "engine_inproc" else "process"
-    with Rollout(model_path, enable_return_routed_experts=capture, cpu_threads=threads, client=client) as engine:
+    mine, engine_cpus = split_cpus() if kind.startswith("engine_pinned") else ([], [])
+    with Rollout(model_path, enable_return_routed_experts=capture, cpu_threads=threads, client=client,
+                 cpu_affinity=engine_cpus) as engine:
+        if mine:   # the caller's threads (those torch made already too) off the engine's CPUs
+            pin_process(mine)
         run_engine(engine, prompts[:2], [m[:2] for m in max_news[:2]], capture)   # warm-up
         if not kind.endswith("busy_caller"):
             return run_engine(engine, prompts, max_news, capture)
@@ -236,9 +249,11 @@ def main(argv=None) -> None:
     if args.inproc:
         return compare_inproc(args, total, res)
     t_off, t_on, t_busy, t_hf, t_spare, t_spare_busy = [], [], [], [], [], []
+    t_pinned, t_pinned_busy = [], []
     useful = total
     kinds = [("engine", t_off), ("engine_capture", t_on), ("engine_busy_caller", t_busy),
              ("engine_spare", t_spare), ("engine_spare_busy_caller", t_spare_busy)]
+    kinds += [("engine_pinned", t_pinned), ("engine_pinned_busy_caller", t_pinned_busy)] if split_cpus()[1] else []
     kinds += [] if args.skip_hf else [("hf", t_hf)]
     for _ in range(args.repeats):
         for kind, times in kinds:
@@ -260,6 +275,12 @@ def main(argv=None) -> None:
     res["engine_spare_busy_caller_tok_s"] = total / statistics.median(t_spare_busy)
     res["engine_spare_runs_s"], res["engine_spare_busy_caller_runs_s"] = t_spare, t_spare_busy
     res["spare_busy_caller_ratio"] = res["engine_spare_busy_caller_tok_s"] / res["engine_spare_tok_s"]
+    if t_pinned:
+        res["caller_cpus"], res["engine_cpus"] = split_cpus()
+        res["engine_pinned_tok_s"] = total / statistics.median(t_pinned)
+        res["engine_pinned_busy_caller_tok_s"] = total / statistics.median(t_pinned_busy)
+        res["engine_pinned_runs_s"], res["engine_pinned_busy_caller_runs_s"] = t_pinned, t_pinned_busy
+        res["pinned_busy_caller_ratio"] = res["engine_pinned_busy_caller_tok_s"] / res["engine_pinned_tok_s"]
     if t_hf:
         res["hf_tok_s"] = useful / statistics.median(t_hf)
         res["hf_runs_s"] = t_hf
@@ -292,6 +313,13 @@ def main(argv=None) -> None:
           f"{res['engine_spare_tok_s'] / tps_off:.3f} (vs every CPU) |")
     print(f"| engine, {spare}, a busy torch loop in the caller's thread | "
           f"{res['engine_spare_busy_caller_tok_s']:.0f} | {res['spare_busy_caller_ratio']:.3f} (busy/quiet) |")
+    if t_pinned:
+        split = f"cpu_affinity={res['engine_cpus']}, the caller on CPU(s) {res['caller_cpus']}"
+        print(f"| engine, {split} | {res['engine_pinned_tok_s']:.0f} | "
+              f"{res['engine_pinned_tok_s'] / tps_off:.3f} (vs every CPU) |")
+        print(f"| engine, {split}, a busy torch loop in the caller's thread | "
+              f"{res['engine_pinned_busy_caller_tok_s']:.0f} | {res['pinned_busy_caller_ratio']:.3f} (busy/quiet; "
+              f"{res['engine_pinned_busy_caller_tok_s'] / tps_off:.3f} of every CPU quiet) |")
     if "hf_tok_s" in res:
         per = ", ".join(f"{x:.2f}" for x in res["engine_vs_hf_per_repeat"])
         print(f"| transformers generate (batched, truncated) | {res['hf_tok_s']:.0f} | "

@@ -139,6 +139,9 @@ ENGINE_FLAGS_BEFORE = {
                       "CPU device: torch threads per engine process (default: the usable CPUs / dp-size)"),
     "--cpu-reserve": (0, None, int, None,
                       "CPU device: threads an engine leaves to the front end while requests stream (default 0)"),
+    # added since: the CPUs of the engine processes
+    "--cpu-affinity": ([], "*", int, None,
+                       "CPU ids the engine processes run on, split evenly among the DP ranks (default: any)"),
     "--enable-return-routed-experts": (False, 0, None, None, "capture routed experts so requests may ask for them"),
     "--max-running-requests": (128, None, int, None, None),
     "--chunked-prefill-size": (1024, None, int, None, "tokens per prefill forward; -1 or 0 = whole prompts"),
@@ -237,6 +240,8 @@ def test_flags_spellings():
     (["--max-total-tokens", "1"], "max_total_tokens must be an integer >= 2"),
     (["--decode-graph-batch-sizes", "4", "4"], "decode_graph_batch_sizes must not repeat values"),
     (["--device", "tpu"], "device must be 'cpu' or 'cuda[:N]'"),
+    (["--cpu-affinity", "-1"], "cpu_affinity must be an integer >= 0"),
+    (["--cpu-affinity", "0", "--dp-size", "2"], "cpu_affinity must list a multiple of dp_size=2 CPUs"),
     (["--seed", "x"], "argument --seed: invalid int value: 'x'"),
     (["--port", "70000"], "port must be an integer in [0, 65535]"),
 ])

@@ -102,7 +102,12 @@ def test_expert_shards_and_expert_weight_updates_match_dp1(qwen3):
                 donor["model.layers.1.mlp.experts.gate_up_proj"][e].chunk(2)[half]
             update[name] = -src
     batch = prompts(6, [9, 14, 5, 20])
-    with make_engine(qwen3, dp_size=2, **BUCKETS) as engine:
+    cpus = tuple(sorted(os.sched_getaffinity(0))[:2])   # each rank pinned to a CPU of its own (cpu_affinity)
+    pinned = cpus if len(cpus) == 2 else ()
+    with make_engine(qwen3, dp_size=2, cpu_affinity=pinned, **BUCKETS) as engine:
+        for pid, cpu in zip(engine.engine_pids(), pinned):
+            with open(f"/proc/{pid}/status") as f:
+                assert f"Cpus_allowed_list:\t{cpu}\n" in f.read()
         loads = engine.loads()
         before = generate(engine, batch, GREEDY, ranks=[0, 1, 0, 1])
         assert engine.swap_weights(update, weight_version="w2") == len(update)

@@ -158,6 +158,87 @@ def test_cpu_threads_sets_the_engine_process_threads_only(tiny_checkpoint):
     assert torch.get_num_threads() == mine   # the caller's pool is left alone
 
 
+def thread_cpus(pid: int) -> list[set[int]]:
+    """The CPUs each thread of process `pid` may run on (Cpus_allowed_list, e.g. "0-2,5")."""
+    out = []
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{tid}/status") as f:
+            text = next(line.split()[1] for line in f if line.startswith("Cpus_allowed_list:"))
+        cpus: set[int] = set()
+        for part in text.split(","):
+            lo, _, hi = part.partition("-")
+            cpus.update(range(int(lo), int(hi or lo) + 1))
+        out.append(cpus)
+    return out
+
+
+def test_cpu_affinity_pins_every_thread_of_the_engine_process(tiny_checkpoint):
+    """cpu_affinity: the engine process and all its threads run on the CPUs given (its torch
+    threads default to their number); the caller's own mask and the results are unchanged."""
+    from rollout.config import DEFAULT_MODEL_PATH, EngineConfig
+
+    mine = sorted(os.sched_getaffinity(0))
+    for bad, says in (((-1,), "cpu_affinity must be an integer >= 0"), ((0, 0), "cpu_affinity must not repeat"),
+                      ("0", "cpu_affinity must be a list")):
+        with pytest.raises(ValueError, match=says):
+            EngineConfig(model_path=DEFAULT_MODEL_PATH, cpu_affinity=bad)
+    with pytest.raises(ValueError, match=r"multiple of dp_size=2 CPUs .* got 3"):
+        EngineConfig(model_path=DEFAULT_MODEL_PATH, cpu_affinity=(0, 1, 2), dp_size=2)
+    cfg = EngineConfig(model_path=DEFAULT_MODEL_PATH, cpu_affinity=(5, 1, 4, 0), dp_size=2)
+    assert (cfg.cpu_affinity_of(0), cfg.cpu_affinity_of(1), cfg.resolved_cpu_threads) == ((0, 1), (4, 5), 2)
+    path = tiny_checkpoint("qwen3_moe")
+    with pytest.raises(ValueError, match=r"cpu_affinity: CPU\(s\) \[4096\] are offline or outside this "
+                                         r"process's cpuset, allowed: \[\d"):
+        make_engine(path, cpu_affinity=(4096,))
+    with pytest.raises(ValueError, match="in-process client has none"):
+        make_engine(path, cpu_affinity=(mine[-1],), client="inproc")
+    params = {**GREEDY, "max_new_tokens": 6}
+    with make_engine(path, cpu_threads=1) as engine:
+        want = engine.generate(input_ids=prompts(3, [9, 17]), sampling_params=params, return_logprob=True,
+                               return_routed_experts=True)
+        assert engine.stats()["cpu_affinity"] == mine
+    # as under `taskset -c <first>`: the caller's own mask leaves the engine's CPU out
+    os.sched_setaffinity(0, mine[:1])
+    try:
+        engine = make_engine(path, cpu_affinity=(mine[-1],))
+    finally:
+        os.sched_setaffinity(0, mine)
+    with engine:
+        (pid,) = engine.engine_pids()
+        assert thread_cpus(pid) == [{mine[-1]}] * len(os.listdir(f"/proc/{pid}/task"))
+        assert len(os.listdir(f"/proc/{pid}/task")) > 1   # the main thread and at least ZMQ's I/O thread
+        st = engine.stats()
+        assert (st["cpu_affinity"], st["cpu_threads"]) == ([mine[-1]], 1)
+        got = engine.generate(input_ids=prompts(3, [9, 17]), sampling_params=params, return_logprob=True,
+                              return_routed_experts=True)
+        assert [(o.output_ids, o.output_logprobs) for o in got] == [(o.output_ids, o.output_logprobs) for o in want]
+        assert torch.equal(got[1].routed_experts, want[1].routed_experts)
+    assert sorted(os.sched_getaffinity(0)) == mine   # the caller is left where it was
+
+
+def test_rollout_serve_cpu_affinity_keeps_its_front_end_off_the_engine_cpus():
+    """rollout-serve --cpu-affinity: the engine process on the CPUs listed, the server's own
+    threads (HTTP, detokenization, ZMQ) on the usable CPUs left; /server_info lists the setting."""
+    import httpx
+
+    from server_proc import ServerProcess
+
+    mine = sorted(os.sched_getaffinity(0))
+    if len(mine) < 2:
+        pytest.skip("needs two usable CPUs")
+    with ServerProcess(["--cpu-affinity", str(mine[-1])]) as srv:
+        info = httpx.get(srv.url + "/server_info", timeout=30).json()
+        r = httpx.post(srv.url + "/generate", json={"text": "hello", "sampling_params": {"max_new_tokens": 4}},
+                       timeout=60)
+        server = srv._server.proc.pid
+        with open(f"/proc/{server}/task/{server}/children") as f:
+            (engine,) = [int(p) for p in f.read().split()]
+        engine_threads, server_threads = thread_cpus(engine), thread_cpus(server)
+    assert info["cpu_affinity"] == [mine[-1]] and r.status_code == 200
+    assert engine_threads == [{mine[-1]}] * len(engine_threads)
+    assert server_threads == [set(mine[:-1])] * len(server_threads)
+
+
 def test_a_streaming_step_leaves_the_front_end_a_thread(tiny_checkpoint):
     """cpu_reserve: the forwards that follow a step which sent stream deltas run with fewer threads;
     a non-streaming batch never does (rollout/core/cpu_threads.py)."""

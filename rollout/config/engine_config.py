@@ -28,14 +28,14 @@ def _positive_int(name: str, value: Any, *, allow_none: bool = False, minimum: i
         raise ValueError(f"{name} must be an integer >= {minimum}{' or None' if allow_none else ''}, got {value!r}")
 
 
-def _int_tuple(name: str, value: Any) -> tuple[int, ...]:
+def _int_tuple(name: str, value: Any, *, minimum: int = 1) -> tuple[int, ...]:
     if value is None:
         return ()
     if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
-        raise ValueError(f"{name} must be a list of positive integers, got {value!r}")
+        raise ValueError(f"{name} must be a list of integers >= {minimum}, got {value!r}")
     out = tuple(value)
     for v in out:
-        _positive_int(name, v)
+        _positive_int(name, v, minimum=minimum)
     if len(set(out)) != len(out):
         raise ValueError(f"{name} must not repeat values, got {list(out)}")
     return tuple(sorted(out))
@@ -109,6 +109,13 @@ class EngineConfig:
     # non-streamed runs.
     cpu_reserve: int = field(default=0, metadata=flag(
         type=int, help="CPU device: threads an engine leaves to the front end while requests stream (default 0)"))
+    # CPUs (Linux CPU ids) the engine processes run on, shared out among the DP ranks in equal
+    # contiguous parts (rank r runs on the r-th part); () = wherever the launching process may run.
+    # With it, cpu_threads defaults to a rank's part. A caller that keeps its own work off these
+    # CPUs (os.sched_setaffinity, taskset) no longer preempts the engine's threads
+    # (docs/architecture.md; vLLM's CPU backend binds its threads likewise).
+    cpu_affinity: tuple[int, ...] = field(default=(), metadata=flag(
+        type=int, help="CPU ids the engine processes run on, split evenly among the DP ranks (default: any)"))
     # NOTE: a device budget for the routed-expert capture buffer; a config whose forwards need more
     # rows (capture_buffer_rows) is rejected at startup, naming the values. None = no cap.
     max_capture_buffer_rows: Optional[int] = field(default=None, metadata=flag(
@@ -150,6 +157,10 @@ class EngineConfig:
         _positive_int("dp_size", self.dp_size)
         _positive_int("cpu_threads", self.cpu_threads, allow_none=True)
         _positive_int("cpu_reserve", self.cpu_reserve, minimum=0)
+        object.__setattr__(self, "cpu_affinity", _int_tuple("cpu_affinity", self.cpu_affinity, minimum=0))
+        if len(self.cpu_affinity) % self.dp_size:
+            raise ValueError(f"cpu_affinity must list a multiple of dp_size={self.dp_size} CPUs (an equal part "
+                             f"per DP rank), got {len(self.cpu_affinity)}: {list(self.cpu_affinity)}")
         _positive_int("max_capture_buffer_rows", self.max_capture_buffer_rows, allow_none=True)
         if self.profile_graph_capture_dir is not None and (
                 not isinstance(self.profile_graph_capture_dir, str) or not self.profile_graph_capture_dir):
@@ -181,6 +192,17 @@ class EngineConfig:
         from rollout.models.attention_backend import check_attention_backend  # noqa: PLC0415
 
         check_attention_backend(self.resolved_attention_backend, self.device)
+        if self.cpu_affinity:
+            if not hasattr(os, "sched_setaffinity"):
+                raise ValueError("cpu_affinity needs a platform with sched_setaffinity (Linux)")
+            from rollout.cpu_affinity import unsettable_cpus  # noqa: PLC0415
+
+            bad = unsettable_cpus(self.cpu_affinity)
+            if bad:
+                every = range(os.cpu_count() or 1)
+                allowed = sorted(set(every) - set(unsettable_cpus(every)))
+                raise ValueError(f"cpu_affinity: CPU(s) {bad} are offline or outside this process's cpuset, "
+                                 f"allowed: {allowed}")
         if self.resolved_moe_backend == "triton":
             if importlib.util.find_spec("triton") is None:
                 raise ValueError("moe_backend='triton' needs the triton package (pip install -e .[gpu])")
@@ -203,12 +225,20 @@ class EngineConfig:
     def replace(self, **changes: Any) -> "EngineConfig":
         return dataclasses.replace(self, **changes)
 
+    def cpu_affinity_of(self, rank: int) -> tuple[int, ...]:
+        """The CPUs DP rank `rank` runs on: its part of cpu_affinity; () = not pinned."""
+        part = len(self.cpu_affinity) // self.dp_size
+        return self.cpu_affinity[rank * part:(rank + 1) * part]
+
     @property
     def resolved_cpu_threads(self) -> int:
-        """torch intra-op threads of a CPU engine process: cpu_threads, else the CPUs this process
-        may run on (its affinity mask: SLURM and containers narrow it) divided among the DP ranks."""
+        """torch intra-op threads of a CPU engine process: cpu_threads, else a rank's part of
+        cpu_affinity, else the CPUs this process may run on (its affinity mask: SLURM and
+        containers narrow it) divided among the DP ranks."""
         if self.cpu_threads is not None:
             return self.cpu_threads
+        if self.cpu_affinity:
+            return len(self.cpu_affinity) // self.dp_size
         usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
         return max(1, usable // self.dp_size)
 

@@ -6,6 +6,7 @@ inherits it; the state it keeps has class-level defaults, so EngineCore's constr
 """
 from __future__ import annotations
 
+import os
 from typing import Any, Optional
 
 import torch
@@ -138,6 +139,7 @@ class EngineControl:
                     waiting=len(self.scheduler.waiting),
                     capture_buffer_bytes=self.capturer.buffer.nbytes if self.capturer is not None else 0,
                     capture_store_bytes=self.capturer.store.nbytes if self.capturer is not None else 0,
+                    cpu_affinity=sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
                     **(self.cpu_threads.report() if self.cpu_threads is not None
                        else {"cpu_threads": torch.get_num_threads()}))
 

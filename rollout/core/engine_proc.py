@@ -19,6 +19,7 @@ import torch
 
 from rollout.config import EngineConfig
 from rollout.core.cpu_threads import CpuThreads
+from rollout.cpu_affinity import pin_process
 from rollout.core.engine_loop import EngineLoop, StepSync
 from rollout.core.engine_core import EngineCore
 from rollout.ipc.messages import Fatal, Ready, StepOut
@@ -73,6 +74,8 @@ def engine_main(config: dict, rank: int, to_engine_addr: str, from_engine_addr: 
     core: Optional[EngineCore] = None
     try:
         cfg = EngineConfig(**config)
+        if cfg.cpu_affinity:
+            pin_process(cfg.cpu_affinity_of(rank))
         threads = None if cfg.device.startswith("cuda") else CpuThreads(cfg.resolved_cpu_threads, cfg.cpu_reserve)
         ep_group = sync = None
         if cfg.dp_size > 1:

@@ -46,6 +46,9 @@ class InprocClient:
     def __init__(self, cfg: EngineConfig, on_updates: UpdatesCallback, on_dead: DeadCallback):
         if cfg.dp_size > 1:
             raise ValueError(f"dp_size={cfg.dp_size}: the in-process client runs one rank; use the process client")
+        if cfg.cpu_affinity:
+            raise ValueError(f"cpu_affinity={list(cfg.cpu_affinity)} pins an engine process; the in-process client "
+                             f"has none (it would pin the caller): use the process client")
         self.dp_size = 1
         self._on_updates = on_updates
         self._on_dead = on_dead
