@@ -29,6 +29,7 @@ from typing import Any, AsyncIterator, Callable, Optional, Sequence
 
 from fastapi import FastAPI
 
+from rollout.config import EngineConfig
 from rollout.cpu_affinity import pin_process
 from rollout.frontend.api import Rollout
 from rollout.server.args import ServerArgs
@@ -107,7 +108,7 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _keep_off_engine_cpus(cfg) -> None:
+def _keep_off_engine_cpus(cfg: EngineConfig) -> None:
     """With --cpu-affinity, the front end (this process: HTTP, JSON, detokenization) runs on the
     usable CPUs the engines were not given, so it does not preempt their threads; on all of them
     when the engines took every one."""
