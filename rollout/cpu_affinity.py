@@ -1,7 +1,7 @@
 """CPU affinity (cpu_affinity): the CPUs an engine process runs on, and its front end beside it.
 
-pin_process moves every thread of the calling process; unsettable_cpus checks a request before
-any process is started. Linux only (sched_setaffinity).
+pin_process moves every thread of the calling process (keep_off: off the engines' CPUs);
+unsettable_cpus checks a request before any process is started. Linux only (sched_setaffinity).
 """
 from __future__ import annotations
 
@@ -38,3 +38,12 @@ def pin_process(cpus: Iterable[int]) -> None:
             os.sched_setaffinity(int(tid), cpus)
         except ProcessLookupError:   # a thread that has exited meanwhile
             pass
+
+
+def keep_off(cpus: Iterable[int]) -> list[int]:
+    """Moves this process (pin_process) to the usable CPUs not in `cpus`, the engines' ones, and
+    returns them; does nothing and returns [] when `cpus` is empty or takes every usable CPU."""
+    rest = sorted(set(os.sched_getaffinity(0)) - set(cpus)) if cpus else []
+    if rest:
+        pin_process(rest)
+    return rest

@@ -21,16 +21,14 @@ import sys
 import tempfile
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-WORKER = ("import json, sys; sys.path.insert(0, sys.argv[1]); import bench_throughput as b; "
-          "print(json.dumps(b.worker(*sys.argv[2:4], int(sys.argv[4]), int(sys.argv[5]))))")
+sys.path.insert(0, os.path.join(HERE, "scripts"))
+
+from bench_throughput import in_fresh_process  # noqa: E402
 
 
 def run_tree(tree: str, kind: str, prompts: int, n: int) -> float:
     """Output tok/s of one fresh-process run of `tree`'s engine (its own code and checkpoint)."""
-    out = subprocess.run([sys.executable, "-c", WORKER, os.path.join(tree, "scripts"), kind,
-                          os.path.join(tree, "configs", "tiny-moe"), str(prompts), str(n)],
-                         check=True, capture_output=True, text=True, cwd=tree)
-    dt, tokens = json.loads(out.stdout.strip().splitlines()[-1])
+    dt, tokens = in_fresh_process(kind, os.path.join(tree, "configs", "tiny-moe"), prompts, n, tree=tree)
     return tokens / dt
 
 

@@ -320,11 +320,9 @@ async def amain() -> None:
                     help="CPUs of the engine processes, both sides; the rest of the work runs on the other CPUs")
     ap.add_argument("--json", default=None, help="write the results here")
     args = ap.parse_args()
-    rest = set(os.sched_getaffinity(0)) - set(args.cpu_affinity or ())
-    if args.cpu_affinity and rest:
-        from rollout.cpu_affinity import pin_process
+    from rollout.cpu_affinity import keep_off
 
-        pin_process(rest)
+    keep_off(args.cpu_affinity or ())
     params = {"temperature": 0.0, "max_new_tokens": args.max_new_tokens, "ignore_eos": True,
               "stream_interval": args.stream_interval}
     flags = ["--model-path", args.model_path, "--enable-return-routed-experts", "--disable-prefix-caching"]

@@ -85,16 +85,19 @@ def run_hf(model_path: str, prompts, max_news) -> tuple[float, int]:
     return dt, sum(m for _, m in rows)   # useful tokens after truncating each row to its max_new_tokens
 
 
-def in_fresh_process(kind: str, model_path: str, num_prompts: int, n: int) -> tuple[float, int]:
+def in_fresh_process(kind: str, model_path: str, num_prompts: int, n: int,
+                     tree: Optional[str] = None) -> tuple[float, int]:
     """One measured run in a fresh Python process: kind "engine", "engine_capture", "engine_busy_caller"
     (capture off, a busy torch loop in a thread of the caller meanwhile), "engine_spare[_busy_caller]"
     (cpu_threads = CPUs - 1), "engine_pinned[_busy_caller]" (split_cpus), "engine_inproc" or "hf".
     Every run starts from the same state (no malloc tuning, OpenMP pools, heap or page layout
-    left by earlier runs), as a user's job would; the caller interleaves the kinds."""
+    left by earlier runs), as a user's job would; the caller interleaves the kinds.
+    tree: another checkout whose worker (and so whose code) runs instead (scripts/bench_against.py)."""
+    tree = tree or os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     code = ("import json, sys; sys.path.insert(0, sys.argv[1]); import bench_throughput as b; "
             "print(json.dumps(b.worker(*sys.argv[2:4], int(sys.argv[4]), int(sys.argv[5]))))")
-    out = subprocess.run([sys.executable, "-c", code, os.path.dirname(os.path.abspath(__file__)), kind, model_path,
-                          str(num_prompts), str(n)], check=True, capture_output=True, text=True)
+    out = subprocess.run([sys.executable, "-c", code, os.path.join(tree, "scripts"), kind, model_path,
+                          str(num_prompts), str(n)], check=True, capture_output=True, text=True, cwd=tree)
     dt, tokens = json.loads(out.stdout.strip().splitlines()[-1])
     return dt, tokens
 

@@ -19,9 +19,9 @@ import torch
 
 from rollout.config import EngineConfig
 from rollout.core.cpu_threads import CpuThreads
-from rollout.cpu_affinity import pin_process
 from rollout.core.engine_loop import EngineLoop, StepSync
 from rollout.core.engine_core import EngineCore
+from rollout.cpu_affinity import pin_process
 from rollout.ipc.messages import Fatal, Ready, StepOut
 from rollout.ipc.transport import EngineSockets
 

@@ -19,7 +19,6 @@ import asyncio
 import gc
 import inspect
 import logging
-import os
 import socket
 import sys
 import threading
@@ -29,8 +28,7 @@ from typing import Any, AsyncIterator, Callable, Optional, Sequence
 
 from fastapi import FastAPI
 
-from rollout.config import EngineConfig
-from rollout.cpu_affinity import pin_process
+from rollout.cpu_affinity import keep_off
 from rollout.frontend.api import Rollout
 from rollout.server.args import ServerArgs
 from rollout.server.control_routes import add_control_routes
@@ -108,16 +106,6 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _keep_off_engine_cpus(cfg: EngineConfig) -> None:
-    """With --cpu-affinity, the front end (this process: HTTP, JSON, detokenization) runs on the
-    usable CPUs the engines were not given, so it does not preempt their threads; on all of them
-    when the engines took every one."""
-    rest = set(os.sched_getaffinity(0)) - set(cfg.cpu_affinity) if cfg.cpu_affinity else set()
-    if rest:
-        pin_process(rest)
-        logger.info("front end on CPU(s) %s, engines on %s", sorted(rest), list(cfg.cpu_affinity))
-
-
 def main(argv: Optional[Sequence[str]] = None) -> None:
     import uvicorn
 
@@ -144,7 +132,11 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             threading.Timer(ENGINE_DEAD_EXIT_DELAY_S, lambda: setattr(server, "should_exit", True)).start()
 
         engine.add_dead_listener(on_engine_dead)
-        _keep_off_engine_cpus(args.engine)
+        # NOTE: with --cpu-affinity the front end (HTTP, JSON, detokenization) runs on the CPUs the
+        # engines were not given, so that it does not preempt their threads
+        rest = keep_off(args.engine.cpu_affinity)
+        if rest:
+            logger.info("front end on CPU(s) %s, engines on %s", rest, list(args.engine.cpu_affinity))
         # NOTE: the objects built so far (torch, transformers, FastAPI, the tokenizer) live as long as
         # the server; frozen, the collector no longer walks them: each full collection while serving
         # took ~190 ms of the event loop's time (2 in 3 GRPO batches), ~20 ms frozen. vLLM freezes
