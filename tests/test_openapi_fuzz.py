@@ -3,10 +3,12 @@ generates (valid and invalid bodies) is answered without a server error (5xx), a
 carry the JSON error body."""
 import httpx
 import pytest
-import schemathesis
 from hypothesis import HealthCheck, given, settings
 
 from server_proc import ServerProcess, wait_idle
+
+# NOTE: schemathesis is a dev extra, absent from the GPU machine's image: skip, never a collection error
+schemathesis = pytest.importorskip("schemathesis")
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 # NOTE: operations that change global state (pausing, weights, group rendezvous to any address) are

@@ -415,14 +415,15 @@ def test_release_and_resume_memory_occupation(server, client):
 def test_release_memory_frees_gpu_memory():
     from rollout import Rollout
 
+    # NOTE: the engine lives in its own process: this process's allocator sees none of its memory;
+    # the device's free memory (what nvidia-smi reads) does
     with Rollout(DEFAULT_MODEL_PATH, device="cuda", dtype="float32", kv_cache_bytes=256 << 20) as engine:
         ids = prompt(13, 8)
         params = {"temperature": 0, "max_new_tokens": 4, "ignore_eos": True}
         before = engine.generate(input_ids=[ids], sampling_params=params)[0].output_ids
-        torch.cuda.synchronize()
-        allocated = torch.cuda.memory_allocated()
+        free = torch.cuda.mem_get_info()[0]
         assert engine.release_memory_occupation(["kv_cache", "weights"]) == ["weights", "kv_cache"]
-        assert torch.cuda.memory_allocated() < allocated - (200 << 20)
+        assert torch.cuda.mem_get_info()[0] > free + (200 << 20), (free, torch.cuda.mem_get_info()[0])
         assert engine.resume_memory_occupation(None) == ["weights", "kv_cache"]
         assert engine.generate(input_ids=[ids], sampling_params=params)[0].output_ids == before
 
