@@ -148,7 +148,7 @@ def run_benchmark(report, smoke: bool, device: str, deadline: float, workdir: st
                 continue
             w = weight_sync_tensor(hf, ours, device)
             report.add(sec, "weight sync (tensor path, 512 MB buckets): GB/s", round(w["gb_per_s"], 2), "",
-                       f"{w['bytes'] / 1e9:.2f} GB in {w['seconds']:.2f} s")
+                       f"{w['bytes'] / 1e6:.1f} MB in {w['seconds']:.3f} s")
         if gpus < 2:
             report.add(sec, "weight sync (nccl)", f"skipped: {gpus} GPU(s); NCCL needs a GPU per rank",
                        status="skipped")
