@@ -4,6 +4,7 @@ without a GPU: what the interpreter never checks (types, layouts, dot shapes, re
 Runs this file as a script in a subprocess without TRITON_INTERPRET (the test process has it set).
 """
 import os
+import re
 import subprocess
 import sys
 
@@ -35,7 +36,12 @@ def compile_all() -> list[str]:
 
     def build(fn, sig, const, label):
         signature = {n: sig.get(n, "constexpr") for n in fn.arg_names}
-        triton.compile(ASTSource(fn, signature, constexprs=const), target=target)
+        kernel = triton.compile(ASTSource(fn, signature, constexprs=const), target=target)
+        lines = (re.sub(r"^@!?%p\d+\s+", "", line.strip()) for line in kernel.asm["ptx"].splitlines())  # predicates
+        atomics = [line for line in lines if line.startswith(("atom.", "red."))]
+        # NOTE: the fused MoE's sum over k: relaxed atomics (the default acq_rel orders every add)
+        if any(("acq_rel" in a or ".relaxed" not in a) for a in atomics):
+            raise AssertionError(f"{label}: atomics not relaxed: {sorted(set(atomics))[:4]}")
         done.append(label)
 
     for dtype in ("fp32", "bf16"):
