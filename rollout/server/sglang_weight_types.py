@@ -38,26 +38,12 @@ class FlattenedTensorMetadata:
 
 
 class FlattenedTensorBucket:
-    """Tensors flattened (as uint8 or one dtype) into one buffer, with their metadata."""
+    """Tensors flattened (as uint8 or one dtype) into one buffer, with their metadata (what a
+    pickled bucket restores: the server only reads it)."""
 
-    def __init__(self, named_tensors: Optional[list] = None, flattened_tensor: Optional[torch.Tensor] = None,
-                 metadata: Optional[list] = None):
-        if named_tensors is not None:
-            parts, metadata, pos = [], [], 0
-            for name, t in named_tensors:
-                flat = t.contiguous().flatten().view(torch.uint8)
-                metadata.append(FlattenedTensorMetadata(name, t.shape, t.dtype, pos, pos + flat.numel(), flat.numel()))
-                parts.append(flat)
-                pos += flat.numel()
-            flattened_tensor = torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
+    def __init__(self, flattened_tensor: Optional[torch.Tensor] = None, metadata: Optional[list] = None):
         self.flattened_tensor = flattened_tensor
         self.metadata = list(metadata or [])
-
-    def get_flattened_tensor(self) -> torch.Tensor:
-        return self.flattened_tensor
-
-    def get_metadata(self) -> list:
-        return self.metadata
 
 
 def _cuda_index(device: Any) -> int:
