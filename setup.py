@@ -30,7 +30,9 @@ setup(
         "gpu": ["flashinfer-python>=0.2", "triton>=3.0"],
         # NOTE: triton in dev too: CI proves the kernels on CPU under its interpreter (Linux wheels only)
         "dev": ["pytest>=8", "aiohttp>=3.9", "hypothesis>=6.100", "pytest-timeout>=2.3", "openai>=1.30", "psutil>=5.9",
-                "schemathesis>=4", "triton>=3.0; platform_system == 'Linux'"],
+                "schemathesis>=4", "triton>=3.0; platform_system == 'Linux'",
+                # the real router in front of two servers (tests/test_sglang_router.py, slow)
+                "sglang-router>=0.3.2"],
     },
     entry_points={"console_scripts": ["rollout-serve=rollout.server:main"]},
 )

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from typing import Any, Optional
 
 from tokenizers import Tokenizer as _HFTokenizer
@@ -25,6 +26,8 @@ class Tokenizer:
         self._tok = _HFTokenizer.from_file(file)
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         self._chat_tokenizer = None
+        self._chat_lock = threading.Lock()
+        self._chat_rendered = False
 
     @staticmethod
     def eos_token_ids(model_path: str) -> list[int]:
@@ -45,10 +48,21 @@ class Tokenizer:
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             tools: Optional[list] = None) -> list[int]:
+        # NOTE: the chat tokenizer is created on first use, often from several server threads at
+        # once; transformers' lazy imports are not safe to race (ImportError: cannot import name
+        # 'AutoTokenizer'), so creation and the first render happen under a lock
+        if not self._chat_rendered:
+            with self._chat_lock:
+                text = self._render(messages, add_generation_prompt, tools)
+                self._chat_rendered = True
+        else:
+            text = self._render(messages, add_generation_prompt, tools)
+        return self.encode(text)
+
+    def _render(self, messages: list[dict], add_generation_prompt: bool, tools: Optional[list]) -> str:
         if self._chat_tokenizer is None:
             from transformers import AutoTokenizer  # noqa: PLC0415 (only chat needs it)
 
             self._chat_tokenizer = AutoTokenizer.from_pretrained(self.path)
-        text = self._chat_tokenizer.apply_chat_template(messages, tokenize=False, tools=tools,
+        return self._chat_tokenizer.apply_chat_template(messages, tokenize=False, tools=tools,
                                                         add_generation_prompt=add_generation_prompt)
-        return self.encode(text)

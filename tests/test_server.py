@@ -527,7 +527,8 @@ def test_server_args_cli():
         "stream_interval", "max_capture_buffer_rows", "enable_profile_graph_capture", "profile_graph_capture_dir",
         "moe_backend", "attention_backend", "host", "port", "served_model_name", "api_key", "admin_api_key",
         "allowed_weight_dirs", "max_request_bytes", "log_level", "enable_debug_endpoints", "timeout_keep_alive",
-        "incremental_streaming_output", "allow_pickled_weight_tensors"}
+        "incremental_streaming_output", "allow_pickled_weight_tensors", "default_return_routed_experts",
+        "allow_auto_truncate"}
     assert flat["disable_prefix_caching"] is True and flat["chunked_prefill_size"] is None
     assert flat["decode_graph_batch_sizes"] == (1, 4) and flat["model_path"] == DEFAULT_MODEL_PATH
     for argv in (["--port", "70000"], ["--dp-size", "0"], ["--max-request-bytes", "10"], ["--api-key", ""]):

@@ -1,4 +1,5 @@
-"""Push the trainer's weights to every live rollout server after a step.
+"""Push the trainer's weights to every live rollout server after a step (behind sglang-router:
+to every worker the router lists).
 
 Three ways, one interface (``await sync.push(named_tensors, version)``):
 
@@ -90,6 +91,7 @@ class WeightSync:
         their supervisor): those rejoin (the client sends them requests again) only once they
         hold these weights."""
         t0 = time.perf_counter()
+        await self.client.refresh_workers()   # behind sglang-router: every worker it lists now
         back = tuple(await self.client.recovered())
         urls = tuple(self.client.alive_urls) + back
         if not urls:

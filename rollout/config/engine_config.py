@@ -91,6 +91,10 @@ class EngineConfig:
         type=int, help="KV cache size when --max-total-tokens is unset (default 512 MiB)"))
     # default: the model's max_position_embeddings
     context_length: Optional[int] = field(default=None, metadata=flag(type=int))
+    # SGLang's switch: a prompt + max_new_tokens past context_length runs to the context length
+    # instead of being refused (400 "Requested token count exceeds ...")
+    allow_auto_truncate: bool = field(default=False, metadata=flag(
+        help="let prompt + max_new_tokens exceed the context length (generation stops at it) instead of a 400"))
     enable_prefix_caching: bool = field(default=True, metadata=flag(name="--disable-prefix-caching", negate=True))
     enable_return_routed_experts: bool = field(default=False, metadata=flag(
         help="capture routed experts so requests may ask for them"))

@@ -129,6 +129,7 @@ class EngineControl:
         used, total = self.kv_pool.used(), self.kv_pool.num_slots
         return [{"dp_rank": 0, "num_running_reqs": len(self.scheduler.running),
                  "num_waiting_reqs": len(self.scheduler.waiting), "num_used_tokens": used,
+                 "num_waiting_tokens": sum(len(r.prompt_ids) + len(r.output_ids) for r in self.scheduler.waiting),
                  "update_waits": int(self._admission_holds > 0 and self.scheduler.has_admissible()),
                  "num_cached_tokens": self.cache.total_size(), "max_total_num_tokens": total,
                  "token_usage": used / total if total else 0.0, **self._expert_report}]

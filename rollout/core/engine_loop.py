@@ -107,6 +107,11 @@ class EngineCommands:
     def weight_version(self) -> str:
         return self.core.weight_version
 
+    def read_weight(self, hf_name: str, truncate_size: int) -> Optional[list]:
+        from rollout.models.weight_reader import read_hf_weight  # noqa: PLC0415
+
+        return read_hf_weight(self.core.model, hf_name, truncate_size)
+
     def set_weight_version(self, version: str, abort_all_requests: bool = False) -> int:
         """Relabels the weights (outputs finished from now on carry it); returns the requests aborted."""
         aborted = self.core.abort_all() if abort_all_requests else 0

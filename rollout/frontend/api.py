@@ -345,6 +345,11 @@ class Rollout:
             out += [dict(row, dp_rank=rank) for row in rows]
         return out
 
+    def read_weight(self, hf_name: str, truncate_size: int = 100) -> Optional[list]:
+        """The weight stored under checkpoint name hf_name (fp32 lists, the first truncate_size entries
+        along dim 0), from the first DP rank that holds it; None when no rank does."""
+        return next((w for w in self._call("read_weight", hf_name, truncate_size) if w is not None), None)
+
     def swap_weights(self, staged: dict, *, weight_version: Optional[str] = None,
                      abort_all_requests: bool = False, poll_s: float = 0.005) -> int:
         """Installs already validated and staged HF-named tensors, all at once, between steps.

@@ -114,6 +114,9 @@ class RequestBuilder:
             params = [SamplingParams.from_any(p) for p in sampling_params]
         else:
             params = [SamplingParams.from_any(sampling_params)] * n_prompts
+        raw = sampling_params if isinstance(sampling_params, (list, tuple)) else [sampling_params] * n_prompts
+        # NOTE: as SGLang, only a max_new_tokens the caller gave (in a dict) is checked against the context
+        explicit = [isinstance(r, dict) and r.get("max_new_tokens") is not None for r in raw]
         want_lp = self._per_prompt("return_logprob", return_logprob, n_prompts, ())
         tops = self._per_prompt("top_logprobs_num", top_logprobs_num, n_prompts, ())
         want_routes = self._per_prompt("return_routed_experts", return_routed_experts, n_prompts, ())
@@ -138,8 +141,8 @@ class RequestBuilder:
         dp_ranks = self._per_prompt("routed_dp_rank", routed_dp_rank, n_prompts, ())
         groups: list[list[tuple[ReqSpec, RequestState]]] = []
         seen: set[str] = set()
-        for ids, p, start, r, dp_rank, lp, top, route, salt, lp_start in zip(
-                batch, params, starts, rids, dp_ranks, want_lp, tops, want_routes, salts, lp_starts):
+        for ids, p, start, r, dp_rank, lp, top, route, salt, lp_start, given in zip(
+                batch, params, starts, rids, dp_ranks, want_lp, tops, want_routes, salts, lp_starts, explicit):
             if isinstance(lp_start, bool) or not isinstance(lp_start, int) or lp_start < -1:
                 raise ValueError(f"logprob_start_len must be -1 or an integer >= 0, got {lp_start!r}")
             lp_start = lp_start if lp and 0 <= lp_start < len(ids) - 1 else -1
@@ -154,6 +157,8 @@ class RequestBuilder:
             if isinstance(start, bool) or not isinstance(start, int) or not 0 <= start <= len(ids):
                 raise ValueError(f"routed_experts_start_len must be an integer in [0, {len(ids)}] "
                                  f"(the prompt length), got {start!r}")
+            if given and len(ids) + p.max_new_tokens > self.context_length and not self.config.allow_auto_truncate:
+                raise ValueError(context_overflow(self.context_length, len(ids), p.max_new_tokens))
             if len(ids) + p.max_new_tokens > capacity:
                 raise ValueError(f"max_new_tokens={p.max_new_tokens} with a {len(ids)}-token prompt needs more KV "
                                  f"than the pool holds; prompt + max_new_tokens must be <= {capacity} (max_total_tokens)")
@@ -186,3 +191,12 @@ class RequestBuilder:
                 group.append((spec, st))
             groups.append(group)
         return groups
+
+
+def context_overflow(context_length: int, prompt_tokens: int, max_new_tokens: int) -> str:
+    """SGLang's words (tokenizer_manager), so clients that match on them keep working."""
+    return (f"Requested token count exceeds the model's maximum context length of {context_length} tokens. "
+            f"You requested a total of {prompt_tokens + max_new_tokens} tokens: {prompt_tokens} tokens from the "
+            f"input messages and {max_new_tokens} tokens for the completion (max_new_tokens). Please reduce the "
+            f"number of tokens in the input messages or the completion to fit within the limit "
+            f"(or start the server with --allow-auto-truncate).")

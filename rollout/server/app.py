@@ -19,6 +19,7 @@ import asyncio
 import gc
 import inspect
 import logging
+import os
 import socket
 import sys
 import threading
@@ -42,7 +43,9 @@ from rollout.server.openai_routes import add_openai_routes
 from rollout.server.openai_serving import OpenAIServing
 from rollout.server.request_models import install_openapi
 from rollout.server.server_info import VERSION, add_debug_routes, add_info_routes
+from rollout.server.weight_session import WeightSession, add_weight_session_routes
 from rollout.server.weight_updater import WeightUpdater
+from rollout.server.worker_state_routes import add_worker_state_routes
 
 logger = logging.getLogger("rollout.server")
 # NOTE: FastAPI >= 0.160 wraps every request in OpenTelemetry checks (an os.environ lookup and a
@@ -84,6 +87,8 @@ def create_app(engine: Rollout, server_args: ServerArgs) -> FastAPI:
                                          incremental_streaming=args.incremental_streaming_output))
     add_control_routes(app, engine=engine, args=args, updater=updater, blocking=blocking, weight_pool=weight_pool,
                        ignored=ignored)
+    add_weight_session_routes(app, WeightSession(), ignored)
+    add_worker_state_routes(app, engine=engine, blocking=blocking, ignored=ignored)
     add_health_routes(app, engine)
     add_info_routes(app, engine=engine, args=args, blocking=blocking)
     add_metrics_route(app, engine=engine, metrics=metrics, blocking=blocking)
@@ -113,6 +118,10 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
         logger.warning("listening on %s without --api-key: anyone who can reach it may generate", args.host)
+    if args.allow_pickled_weight_tensors:
+        from rollout.server.pickled_tensors import adopt_authkey  # noqa: PLC0415
+
+        adopt_authkey(os.environ)
     engine = Rollout(config=args.engine)
     died: list[str] = []
     try:

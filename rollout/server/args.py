@@ -34,6 +34,9 @@ class ServerArgs:
     timeout_keep_alive: int = DEFAULT_TIMEOUT_KEEP_ALIVE
     incremental_streaming_output: bool = False
     allow_pickled_weight_tensors: bool = False
+    # NOTE: for fleets behind sglang-router, which rebuilds /generate bodies from its own schema and
+    # drops return_routed_experts: /generate requests that do not say return routing
+    default_return_routed_experts: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.engine, EngineConfig):
@@ -53,6 +56,9 @@ class ServerArgs:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
                 raise ValueError(f"{name} must be a non-empty string when given")
+        if self.default_return_routed_experts and not self.engine.enable_return_routed_experts:
+            raise ValueError("default_return_routed_experts needs enable_return_routed_experts "
+                             "(--enable-return-routed-experts)")
         object.__setattr__(self, "allowed_weight_dirs", tuple(self.allowed_weight_dirs or ()))
 
     @property
@@ -105,6 +111,10 @@ class ServerArgs:
                        help="let /update_weights_from_tensor load SGLang's pickled serialized_named_tensors "
                             "(runs code from the request: only for a trusted, colocated trainer; needs the admin "
                             "key when keys are set)")
+        h.add_argument("--default-return-routed-experts", action="store_true",
+                       help="/generate returns routed experts unless a request sends return_routed_experts: false "
+                            "(for fleets behind sglang-router, which drops the field; needs "
+                            "--enable-return-routed-experts)")
         return p
 
     @classmethod

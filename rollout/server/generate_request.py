@@ -75,7 +75,7 @@ class GenerateCall:
 
     @staticmethod
     def parse(body: dict, ignored: IgnoredFields, *, tokenize: Callable[[list[str]], list[list[int]]],
-              incremental_default: bool, num_experts: int = 0) -> "GenerateCall":
+              incremental_default: bool, num_experts: int = 0, routing_default: bool = False) -> "GenerateCall":
         body = GENERATE.screen(body, ignored)
         text, ids = body.get("text"), body.get("input_ids")
         if (text is None) == (ids is None):
@@ -122,7 +122,7 @@ class GenerateCall:
         start_len = body.get("routed_experts_start_len")
         kwargs = dict(input_ids=prompts, sampling_params=sp, return_logprob=return_logprob,
                       top_logprobs_num=_per_prompt(body, "top_logprobs_num", count, (int,), 0),
-                      return_routed_experts=_per_prompt(body, "return_routed_experts", count, (bool,), False),
+                      return_routed_experts=_per_prompt(body, "return_routed_experts", count, (bool,), routing_default),
                       routed_experts_start_len=0 if start_len is None else start_len, rid=rid, stream=stream,
                       routed_dp_rank=body["routed_dp_rank"] if body.get("routed_dp_rank") is not None
                       else body.get("data_parallel_rank"), cache_salt=salts, logprob_start_len=given)

@@ -68,4 +68,5 @@ def add_generate_routes(app: FastAPI, *, engine: Rollout, args: ServerArgs, metr
 
     def parse_generate(body: dict) -> GenerateCall:
         return GenerateCall.parse(body, ignored, tokenize=tokenize,
-                                  incremental_default=args.incremental_streaming_output, num_experts=info.num_experts)
+                                  incremental_default=args.incremental_streaming_output, num_experts=info.num_experts,
+                                  routing_default=args.default_return_routed_experts)

@@ -12,7 +12,7 @@ from rollout.server.responses import error_body
 
 WEIGHT_PATHS = frozenset({"/update_weights_from_disk", "/update_weights_from_tensor", "/init_weights_update_group",
                           "/update_weights_from_distributed", "/destroy_weights_update_group",
-                          "/update_weight_version"})
+                          "/update_weight_version", "/begin_weight_update", "/end_weight_update"})
 ADMIN_PATHS = WEIGHT_PATHS | {"/pause_generation", "/continue_generation", "/flush_cache", "/debug/integrity",
                               "/release_memory_occupation", "/resume_memory_occupation"}
 PUBLIC_PATHS = frozenset({"/health"})

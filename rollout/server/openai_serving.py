@@ -10,6 +10,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from rollout.output import RolloutOutput
+from rollout.server.completion_echo import CompletionEcho
 from rollout.server.engine_stream import EngineStream
 from rollout.server.responses import ApiError, SSEResponse, json_response, param_of, sse
 from rollout.server.routing_format import check_routing_format, encode_rows
@@ -60,8 +61,6 @@ class OpenAIServing:
         for name in _UNSUPPORTED_UNLESS_NULL:
             if body.get(name) not in (None, {}, [], ""):
                 raise ApiError(400, f"{name} is not supported by this server", param=name)
-        if body.get("echo"):
-            raise ApiError(400, "echo is not supported by this server", param="echo")
         n = _get(body, "n", (int,), 1)
         best_of = _get(body, "best_of", (int,), None)
         if best_of is not None and best_of != n:
@@ -164,11 +163,22 @@ class OpenAIServing:
         stream = _get(body, "stream", (bool,), False)
         fmt = check_routing_format(body.get("routed_experts_format"))
         include_usage = bool((_get(body, "stream_options", (dict,), {}) or {}).get("include_usage"))
+        echo = _get(body, "echo", (bool,), False)
+        if echo:
+            CompletionEcho.check(stream, logprobs)
+            if logprobs is not None:
+                kwargs["logprob_start_len"] = 0
         es = self._start(prompts=prompts, input_ids=input_ids, params=params, kwargs=kwargs,
                          return_logprob=logprobs is not None, top=logprobs or 0, stream=stream)
         text_pos = {rid: 0 for rid in es.rids}
+        echoed = CompletionEcho(prompts=prompts, input_ids=input_ids, prompt_index=es.submission.prompt_index,
+                                decode=lambda ids: self.engine.tokenizer.decode(ids, skip_special_tokens=False)) \
+            if echo else None
 
         def body_of(out: RolloutOutput) -> dict:
+            if echoed is not None:
+                lp = None if logprobs is None else echoed.logprobs(out, self._completion_logprobs)
+                return {"text": echoed.text(out.rid) + out.text, "logprobs": lp}
             lp = None if logprobs is None else self._completion_logprobs(
                 out.output_ids, out.output_logprobs, out.output_top_logprobs, 0)
             return {"text": out.text, "logprobs": lp}
@@ -176,8 +186,11 @@ class OpenAIServing:
         def delta_of(chunk: StreamChunk) -> dict:
             lp = None if logprobs is None else self._completion_logprobs(
                 chunk.output_ids, chunk.output_logprobs, chunk.output_top_logprobs, text_pos[chunk.rid])
-            text_pos[chunk.rid] += len(chunk.text)
-            return {"text": chunk.text, "logprobs": lp}
+            text = chunk.text
+            if echoed is not None and echoed.first_time(chunk.rid):
+                text = echoed.text(chunk.rid) + text
+            text_pos[chunk.rid] += len(text)
+            return {"text": text, "logprobs": lp}
 
         return await self._respond(es, request, id_prefix="cmpl", objects=("text_completion", "text_completion"),
                                    fmt=fmt, stream=stream, include_usage=include_usage,

@@ -68,42 +68,77 @@ class GenerateRequest(BaseModel):
     lora_path: None = Field(None, description="not supported: null only")
 
 
-class CompletionRequest(BaseModel):
+class _OpenAISampling(BaseModel):
+    """The fields /v1/completions and /v1/chat/completions share (openai_serving.py `_common`)."""
     model_config = Open
     model: Optional[str] = None
-    prompt: Union[str, list[str], IntList, list[IntList]]
-    max_tokens: Optional[int] = Field(None, ge=0)
+    max_tokens: Optional[int] = Field(None, ge=0, description="prompt + max_tokens must fit the context length")
+    max_completion_tokens: Optional[int] = Field(None, ge=0)
     temperature: Optional[float] = Field(None, ge=0, le=100)
     top_p: Optional[float] = Field(None, gt=0, le=1)
+    top_k: Optional[int] = Field(None, ge=-1)
+    min_p: Optional[float] = Field(None, ge=0, le=1)
     n: Optional[int] = Field(None, ge=1, le=1024)
+    best_of: Optional[int] = Field(None, ge=1, le=1024, description="must equal n")
     stop: Optional[Union[str, list[str]]] = None
+    stop_token_ids: Optional[IntList] = None
+    seed: Optional[int] = Field(None, ge=0, le=2**63 - 1)
+    min_tokens: Optional[int] = Field(None, ge=0)
+    presence_penalty: Optional[float] = Field(None, ge=-2, le=2)
+    frequency_penalty: Optional[float] = Field(None, ge=-2, le=2)
+    repetition_penalty: Optional[float] = Field(None, gt=0, le=2)
+    ignore_eos: Optional[bool] = None
+    skip_special_tokens: Optional[bool] = None
+    spaces_between_special_tokens: Optional[bool] = None
+    no_stop_trim: Optional[bool] = None
+    logprob_mode: Optional[Literal["raw", "scaled", "processed"]] = None
     stream: Optional[bool] = None
-    logprobs: Optional[int] = Field(None, ge=0)
-    seed: Optional[int] = Field(None, ge=0)
+    stream_options: Optional[dict[str, Any]] = Field(None, description="include_usage: bool")
+    rid: Optional[str] = Field(None, min_length=1)
     return_routed_experts: Optional[bool] = None
+    routed_experts_start_len: Optional[int] = Field(None, ge=0, description="at most the prompt length")
     routed_experts_format: Optional[Literal["int32", "compact"]] = None
     return_token_ids: Optional[bool] = None
+    incremental_streaming_output: Optional[bool] = None
+    suffix: None = Field(None, description="not supported: null only")
+    logit_bias: None = Field(None, description="not supported: null only")
+    regex: None = Field(None, description="not supported: null only")
+    json_schema: None = Field(None, description="not supported: null only")
+    ebnf: None = Field(None, description="not supported: null only")
+    lora_path: None = Field(None, description="not supported: null only")
+
+
+class CompletionRequest(_OpenAISampling):
+    prompt: Union[str, list[str], IntList, list[IntList]]
+    logprobs: Optional[int] = Field(None, ge=0, le=64, description="top alternatives per token")
+    echo: Optional[bool] = Field(None, description="the prompt before the completion; not with both stream and "
+                                                   "logprobs")
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
 
 
 class ChatMessage(BaseModel):
     model_config = Open
-    role: str
-    content: Optional[Union[str, list[dict[str, Any]]]] = None
+    role: str = Field(..., min_length=1)
+    content: Optional[Union[str, list[TextPart]]] = None
+    name: Optional[str] = None
+    tool_call_id: Optional[str] = None
 
 
-class ChatCompletionRequest(BaseModel):
-    model_config = Open
-    model: Optional[str] = None
+class TextResponseFormat(BaseModel):
+    type: Literal["text"]
+
+
+class ChatCompletionRequest(_OpenAISampling):
     messages: list[ChatMessage] = Field(..., min_length=1)
-    max_tokens: Optional[int] = Field(None, ge=0)
-    temperature: Optional[float] = Field(None, ge=0, le=100)
-    top_p: Optional[float] = Field(None, gt=0, le=1)
-    n: Optional[int] = Field(None, ge=1, le=1024)
-    stream: Optional[bool] = None
     logprobs: Optional[bool] = None
-    top_logprobs: Optional[int] = Field(None, ge=0)
-    return_routed_experts: Optional[bool] = None
-    return_token_ids: Optional[bool] = None
+    top_logprobs: Optional[int] = Field(None, ge=0, le=64, description="needs logprobs: true")
+    tools: Optional[list[dict[str, Any]]] = None
+    tool_choice: Optional[Literal["none", "auto"]] = None
+    response_format: Optional[TextResponseFormat] = None
 
 
 class AbortRequest(BaseModel):
@@ -179,6 +214,12 @@ class MemoryOccupationRequest(BaseModel):
     tags: Optional[list[Literal["weights", "kv_cache", "cuda_graph"]]] = Field(None, description="null: all")
 
 
+class GetWeightsByNameRequest(BaseModel):
+    model_config = Open
+    name: str = Field(..., min_length=1, description="a checkpoint tensor name, e.g. lm_head.weight")
+    truncate_size: Optional[int] = Field(100, ge=1, le=1 << 20, description="entries kept along dim 0")
+
+
 class ErrorDetail(BaseModel):
     message: str
     type: str
@@ -203,6 +244,7 @@ REQUEST_MODELS: dict[str, tuple[type[BaseModel], bool]] = {
     "/update_weight_version": (UpdateWeightVersionRequest, True),
     "/release_memory_occupation": (MemoryOccupationRequest, False),
     "/resume_memory_occupation": (MemoryOccupationRequest, False),
+    "/get_weights_by_name": (GetWeightsByNameRequest, True),
 }
 
 

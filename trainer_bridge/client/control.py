@@ -25,6 +25,7 @@ class _Control:
     _not_paused: Optional[asyncio.Event]
     _inflight: dict[str, ServerState]
     _aborted: set[str]
+    refresh_workers: Callable[[], Any]   # from _Router
 
     async def server_loads(self) -> dict[str, Any]:
         """Each live server's ``/v1/loads`` (an ``{"error": ...}`` entry where it did not answer)."""
@@ -60,6 +61,7 @@ class _Control:
         return first
 
     async def _post_all(self, path: str, body: Optional[dict] = None, *, timeout: float = 600.0) -> dict[str, Any]:
+        await self.refresh_workers()   # behind a router: every worker it lists now
         async def one(s: ServerState):
             r = await self._http.post(s.url + path, json=body or {}, headers=self._headers(admin=True),
                                       timeout=timeout)
@@ -87,6 +89,10 @@ class _Control:
         self._not_paused.clear()
         return await self._post_all("/pause_generation", {"mode": mode})
 
+    async def flush_cache(self) -> dict[str, Any]:
+        """``/flush_cache`` on every live server (400 while requests hold KV: raises RolloutError)."""
+        return await self._post_all("/flush_cache")
+
     async def continue_generation(self) -> dict[str, Any]:
         res = await self._post_all("/continue_generation")
         self._not_paused.set()
@@ -101,14 +107,19 @@ class _Control:
         targets = list(self._inflight) if rids is None else list(rids)
         self._aborted.update(targets)
 
-        async def one(rid: str):
-            s = self._inflight.get(rid)
-            if s is None:
-                return 0
+        async def at(url: str, rid: str) -> int:
             try:
-                r = await self._http.post(s.url + "/abort_request", json={"rid": rid}, headers=self._headers(),
+                r = await self._http.post(url + "/abort_request", json={"rid": rid}, headers=self._headers(),
                                           timeout=30)
                 return int(r.json().get("num_aborted", 0)) if r.status_code == 200 else 0
             except (httpx.HTTPError, ValueError):
                 return 0
+
+        async def one(rid: str):
+            s = self._inflight.get(rid)
+            if s is None:
+                return 0
+            # NOTE: behind a router the worker running rid is unknown: every worker is asked
+            urls = [w.url for w in self.servers if w.alive] if s is getattr(self, "router", None) else [s.url]
+            return sum(await asyncio.gather(*(at(u, rid) for u in urls)))
         return sum(await asyncio.gather(*(one(r) for r in targets)))

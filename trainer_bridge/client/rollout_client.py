@@ -22,17 +22,20 @@ from .health import _Health
 from .model_info import ModelInfo
 from .request import Request
 from .response import to_sample
+from .router import _Router
 from .server_state import ServerState, pick_server
 from .transport import _Transport
 
 ROUTING_FORMATS = ("compact", "int32")
 
 
-class RolloutClient(_Health, _Control, _Transport):
+class RolloutClient(_Health, _Control, _Transport, _Router):
     """Async client over ``rollout-serve`` URLs; see ``trainer_bridge.client``.
 
     Args:
-        urls: one URL or a list of them.
+        urls: one URL or a list of them (None with ``router_url``).
+        router_url: sglang-router in front of the servers: generations go through it, control
+            calls and weight pushes to every worker it lists (``trainer_bridge.client.router``).
         api_key / admin_api_key: bearer keys (``admin_api_key`` is used for control and weight
             endpoints, and for everything when ``api_key`` is None).
         routing_format: ``"compact"`` (default, 1 byte per id here) or ``"int32"`` (SGLang's).
@@ -48,15 +51,18 @@ class RolloutClient(_Health, _Control, _Transport):
             when a server's ``/model_info`` does not report it (real SGLang).
     """
 
-    def __init__(self, urls: Union[str, Sequence[str]], *, api_key: Optional[str] = None,
+    def __init__(self, urls: Union[str, Sequence[str], None] = None, *, router_url: Optional[str] = None,
+                 api_key: Optional[str] = None,
                  admin_api_key: Optional[str] = None, routing_format: str = "compact", stream: bool = False,
                  timeout: float = 600.0, connect_timeout: float = 10.0, max_attempts: Optional[int] = None,
                  max_concurrency: int = 512, validate: bool = True, return_routed_experts: bool = True,
                  retry_backoff_s: float = 0.05, health_timeout: float = 5.0,
                  transport: Optional[httpx.AsyncBaseTransport] = None, model_config: Optional[str] = None):
-        urls = [urls] if isinstance(urls, str) else list(urls)
-        if not urls:
-            raise ValueError("RolloutClient needs at least one server URL")
+        urls = [urls] if isinstance(urls, str) else list(urls or [])
+        if router_url is not None and urls:
+            raise ValueError("give urls or router_url, not both (behind a router the workers are the router's)")
+        if not urls and router_url is None:
+            raise ValueError("RolloutClient needs at least one server URL (or router_url)")
         if len(set(urls)) != len(urls):
             raise ValueError(f"server URLs repeat: {urls}")
         if routing_format not in ROUTING_FORMATS:
@@ -64,12 +70,13 @@ class RolloutClient(_Health, _Control, _Transport):
         if max_concurrency < 1:
             raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")
         self.servers = [ServerState(u.rstrip("/"), i) for i, u in enumerate(urls)]
+        self.router = ServerState(router_url.rstrip("/"), -1) if router_url is not None else None
         self.api_key, self.admin_api_key = api_key, admin_api_key
         self.routing_format = routing_format
         self.stream = stream
         self.timeout = timeout
         self.connect_timeout = connect_timeout
-        self.max_attempts = max_attempts or max(3, 2 * len(urls))
+        self.max_attempts = max_attempts or max(3, 2 * len(urls))   # behind a router: 3
         self.max_resubmits = 1000  # aborts by the servers (pause cycles) a request may go through
         self.max_concurrency = max_concurrency
         self.validate = validate
@@ -108,6 +115,9 @@ class RolloutClient(_Health, _Control, _Transport):
             self._sem = asyncio.Semaphore(self.max_concurrency)
             self._not_paused = asyncio.Event()
             self._not_paused.set()
+        if self.router is not None and not self.servers:
+            await self.refresh_workers()
+            await self._check_router_routing()
         if self.info is None:
             self.info = await self.model_info()
         return self
@@ -119,13 +129,18 @@ class RolloutClient(_Health, _Control, _Transport):
 
     # ---- balancing -----------------------------------------------------------------------------
     def _pick(self, exclude: set[str]) -> ServerState:
+        if self.router is not None:
+            return pick_server([self.router], exclude, 0)
         best = pick_server(self.servers, exclude, self._rr)
         self._rr = (best.index + 1) % len(self.servers)
         return best
 
     def loads(self) -> dict[str, dict]:
         """This client's view per server: alive, outstanding, completed, failures, bytes."""
-        return {s.url: s.snapshot() for s in self.servers}
+        out = {s.url: s.snapshot() for s in self.servers}
+        if self.router is not None:
+            out[self.router.url] = self.router.snapshot()
+        return out
 
     # ---- generation --------------------------------------------------------------------------
     async def generate(self, input_ids: Sequence[int], sampling_params: Optional[Mapping] = None, *,
