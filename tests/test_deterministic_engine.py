@@ -67,3 +67,29 @@ def test_request_is_batch_invariant(tiny_checkpoint, arch):
     assert torch.equal(torch.tensor(scored.input_logprobs), torch.tensor(alone.output_logprobs))
     rows = alone.routed_experts.shape[0]
     assert torch.equal(scored.routed_experts[:rows], alone.routed_experts)
+
+
+BUCKETS = dict(decode_graph_batch_sizes=(1, 2, 4), prefill_graph_token_sizes=(16, 32), chunked_prefill_size=48)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", pytest.param("deepseek_v3", marks=pytest.mark.slow)])
+def test_dp_ranks_static_runners_and_streaming_agree(tiny_checkpoint, arch):
+    """dp 2 with expert parallelism, static-bucket runners, streamed: the same bits as one eager
+    rank holding every expert (the ranks' expert terms are added per top-k slot)."""
+    path = tiny_checkpoint(arch)
+    target = random_prompts(12, [30])[0]
+    with make_engine(path, enable_deterministic_inference=True) as engine:
+        alone = _run(engine, target)
+    prompts, params = _others(5, 5)
+    with make_engine(path, dp_size=2, enable_deterministic_inference=True, **BUCKETS) as engine:
+        on_rank = []
+        for rank in (0, 1):
+            outs = engine.generate(input_ids=prompts + [target], sampling_params=params + [TARGET],
+                                   return_logprob=True, top_logprobs_num=3, return_routed_experts=True,
+                                   routed_dp_rank=[rank, 1 - rank, rank, 1 - rank, rank, rank])
+            on_rank.append(outs[-1])
+        chunks = list(engine.generate(input_ids=[target], sampling_params=TARGET, return_logprob=True,
+                                      top_logprobs_num=3, return_routed_experts=True, stream=True,
+                                      routed_dp_rank=1))
+    for out in on_rank + [chunks[-1].output]:
+        _same(alone, out)

@@ -14,11 +14,13 @@ from rollout.exact.pointwise import silu
 
 
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                  topk_ids: torch.Tensor, first_id: int = 0) -> torch.Tensor:
+                  topk_ids: torch.Tensor, first_id: int = 0, per_slot: bool = False) -> torch.Tensor:
     """x [N, H]; w13 [E, 2I, H] (gate rows then up rows) and w2 [E, H, I] of the experts
     first_id .. first_id + E - 1; topk_weights float32 [N, K], topk_ids int64 [N, K] (global ids)
     -> [N, H] in x's dtype: sum over slots j of weight[n, j] * expert(x[n]) for the held experts
-    (slots routed elsewhere add nothing)."""
+    (slots routed elsewhere add nothing). per_slot: return the terms [N, K, H] unsummed instead
+    (expert parallel: the ranks' terms are added slot by slot, each slot has one nonzero term, then
+    sum_slots adds the k slots in the same order as without expert parallelism)."""
     n, k = topk_ids.shape
     e = w13.shape[0]
     hidden = x.shape[1]
@@ -28,7 +30,7 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     order = torch.argsort(group, stable=True)                                  # [N*K] grouped by expert
     counts = torch.bincount(group, minlength=e + 1)[:e]                        # [E]
     rows = int(counts.sum())
-    per_slot = x.new_zeros(n * k, hidden)                                      # [N*K, H]
+    terms = x.new_zeros(n * k, hidden)                                         # [N*K, H]
     if rows:
         order = order[:rows]                                                   # held rows only
         tiles = (counts + ROW_TILE - 1) // ROW_TILE                            # [E] tiles per expert
@@ -44,9 +46,14 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
         y = torch.bmm(silu(gate) * up, w2.index_select(0, tile_expert).transpose(1, 2))     # [tiles, ROW_TILE, H]
         y = y.view(total, hidden).index_select(0, slot)                        # [rows, H] sorted order
         y = y * topk_weights.reshape(-1).index_select(0, order)[:, None].to(y.dtype)
-        per_slot.index_copy_(0, order, y)
-    per_slot = per_slot.view(n, k, hidden)
-    out = per_slot[:, 0]
-    for j in range(1, k):
-        out = out + per_slot[:, j]
+        terms.index_copy_(0, order, y)
+    terms = terms.view(n, k, hidden)
+    return terms if per_slot else sum_slots(terms)
+
+
+def sum_slots(terms: torch.Tensor) -> torch.Tensor:
+    """terms [N, K, H] -> [N, H]: slot 0 + slot 1 + ... in that order (elementwise adds only)."""
+    out = terms[:, 0]
+    for j in range(1, terms.shape[1]):
+        out = out + terms[:, j]
     return out

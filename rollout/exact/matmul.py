@@ -11,6 +11,9 @@ from __future__ import annotations
 import torch
 
 ROW_TILE = 32
+# NOTE: with fewer than 8 output columns (a shared-expert gate: N = 1) bmm takes a path whose row
+# results depend on the number of tiles; weights are padded to a multiple of 8 rows.
+COL_MULTIPLE = 8
 
 
 def _pad_rows(x: torch.Tensor, tile: int) -> torch.Tensor:
@@ -29,7 +32,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         out = x.new_zeros(0, n)
     else:
         tiles = _pad_rows(rows, ROW_TILE).view(-1, ROW_TILE, k)                 # [T, ROW_TILE, K]
-        out = torch.bmm(tiles, weight.t().expand(tiles.shape[0], k, n)).view(-1, n)[:m]  # [M, N]
+        w = _pad_rows(weight, COL_MULTIPLE)                                     # [N', K]
+        out = torch.bmm(tiles, w.t().expand(tiles.shape[0], k, w.shape[0]))[..., :n].reshape(-1, n)[:m]  # [M, N]
     if bias is not None:
         out = out + bias
     return out.reshape(*lead, n)
@@ -44,7 +48,9 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     pad = (-m) % ROW_TILE
     xp = torch.cat((x, x.new_zeros(g, pad, k)), dim=1) if pad else x
     tiles_per_group = xp.shape[1] // ROW_TILE
-    w = weight.transpose(1, 2)[:, None].expand(g, tiles_per_group, k, n).reshape(-1, k, n)
-    out = torch.bmm(xp.reshape(-1, ROW_TILE, k), w)                             # [G * tiles, ROW_TILE, N]
-    return out.view(g, -1, n)[:, :m]
+    pad_n = (-n) % COL_MULTIPLE
+    wp = torch.cat((weight, weight.new_zeros(g, pad_n, k)), dim=1) if pad_n else weight
+    w = wp.transpose(1, 2)[:, None].expand(g, tiles_per_group, k, n + pad_n).reshape(-1, k, n + pad_n)
+    out = torch.bmm(xp.reshape(-1, ROW_TILE, k), w)                             # [G * tiles, ROW_TILE, N']
+    return out.view(g, -1, n + pad_n)[:, :m, :n]
 

@@ -163,10 +163,14 @@ class FusedExperts(nn.Module):
         return out
 
     def _forward_exact(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                       lo: int, hi: int) -> torch.Tensor:
+                       lo: int, hi: int, per_slot: bool = False) -> torch.Tensor:
         first = lo - self.expert_lo
         return exact_ops.fused_experts(x, self.w13[first:first + hi - lo], self.w2[first:first + hi - lo],
-                                       topk_weights, topk_ids, lo)
+                                       topk_weights, topk_ids, lo, per_slot=per_slot)
+
+    def exact_terms(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        """The held experts' weighted outputs per top-k slot [N, K, H] (0 for slots routed elsewhere)."""
+        return self._forward_exact(x, topk_weights, topk_ids, self.expert_lo, self.expert_hi, per_slot=True)
 
     def _forward_triton(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                         lo: int, hi: int) -> torch.Tensor:
@@ -219,9 +223,17 @@ class SparseMoE(nn.Module):
                 "DP attention needs the model loaded with this rank's expert shard (load_model(expert_shard=...))"
             x_all = ep.gather(x, fb.layout)                                # [layout.total_rows, H]
             topk_weights, topk_ids = self.route(x_all, fb)
-            partial = self.experts(x_all, topk_weights, topk_ids, graph_safe=fb.graph_safe,
-                                   impl=self._experts_impl)                # own experts
-            out = ep.reduce_own(partial, fb.layout)                        # [N, H]
+            if self.experts.exact:
+                # NOTE: the ranks' terms are added per slot (one nonzero term each), then the slots
+                # in order: the same bits as one rank holding every expert
+                terms = self.experts.exact_terms(x_all, topk_weights, topk_ids)  # [rows, K, H]
+                rows, k, hidden = terms.shape
+                own = ep.reduce_own(terms.view(rows, k * hidden), fb.layout)     # [N, K*H]
+                out = exact_ops.sum_slots(own.view(-1, k, hidden))               # [N, H]
+            else:
+                partial = self.experts(x_all, topk_weights, topk_ids, graph_safe=fb.graph_safe,
+                                       impl=self._experts_impl)            # own experts
+                out = ep.reduce_own(partial, fb.layout)                    # [N, H]
         shared = self.shared_output(x)
         return out if shared is None else out + shared
 
