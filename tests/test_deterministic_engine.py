@@ -94,5 +94,18 @@ def test_dp_ranks_static_runners_and_streaming_agree(tiny_checkpoint, arch):
         chunks = list(engine.generate(input_ids=[target], sampling_params=TARGET, return_logprob=True,
                                       top_logprobs_num=3, return_routed_experts=True, stream=True,
                                       routed_dp_rank=1))
+        pair = engine.generate(input_ids=[target], sampling_params={**TARGET, "n": 2, "max_new_tokens": 24})
     for out in on_rank + [chunks[-1].output]:
         _same(alone, out)
+    assert pair[0].output_ids != pair[1].output_ids   # each sample has its own seed
+
+
+def test_config_refuses_what_breaks_invariance():
+    from rollout.config import EngineConfig
+
+    assert EngineConfig(enable_deterministic_inference=True, device="cuda").resolved_attention_backend == "torch"
+    for bad, field in ((dict(moe_backend="triton"), "moe_backend"), (dict(attention_backend="flashinfer"),
+                       "attention_backend"), (dict(cpu_reserve=1), "cpu_reserve")):
+        with pytest.raises(ValueError, match=field):
+            EngineConfig(enable_deterministic_inference=True, **bad)
+        EngineConfig(**bad)   # fine without the mode
