@@ -34,6 +34,7 @@ def main(argv=None) -> None:
                          enable_deterministic_inference=mode == "deterministic") as engine:
                 dt, tokens = run_engine(engine, prompts, max_news, capture=True)
             rates[mode].append(tokens / dt)
+            print(f"run {mode}: {tokens} tokens in {dt:.1f} s", flush=True)
     med = {mode: statistics.median(r) for mode, r in rates.items()}
     print(f"{'mode':<15}{'tok/s (median)':>16}  runs")
     for mode, r in rates.items():
