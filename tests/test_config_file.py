@@ -164,6 +164,8 @@ ENGINE_FLAGS_BEFORE = {
     "--attention-backend": (None, None, None, ("torch", "triton", "flashinfer"),
                             "attention kernels (default: flashinfer on CUDA when installed, else triton; "
                             "torch on CPU)"),
+    "--enable-deterministic-inference": (False, 0, None, None, "batch-invariant kernels: a request's tokens, "
+                                         "logprobs and routing do not depend on the batch"),
 }
 CLI_OFF = {"graph_variant_axes"}   # test-only, set from Python
 

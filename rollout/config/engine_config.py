@@ -146,6 +146,11 @@ class EngineConfig:
         choices=ATTENTION_BACKENDS,
         help="attention kernels (default: flashinfer on CUDA when installed, else triton; torch on CPU)"))
 
+    # batch-invariant ops (rollout/exact/): a request's tokens, logprobs and routing rows do not
+    # depend on the rest of the batch, chunking, prefix hits or DP rank (docs/architecture.md)
+    enable_deterministic_inference: bool = field(default=False, metadata=flag(
+        help="batch-invariant kernels: a request's tokens, logprobs and routing do not depend on the batch"))
+
     def __post_init__(self) -> None:
         if not isinstance(self.model_path, str) or not self.model_path:
             raise ValueError(f"model_path must be a non-empty path, got {self.model_path!r}")
@@ -173,7 +178,8 @@ class EngineConfig:
         object.__setattr__(self, "graph_variant_axes", _variant_axes(self.graph_variant_axes))
         _positive_int("seed", self.seed, minimum=0)
         _positive_int("stream_interval", self.stream_interval)
-        for name in ("enable_prefix_caching", "enable_return_routed_experts", "enable_profile_graph_capture"):
+        for name in ("enable_prefix_caching", "enable_return_routed_experts", "enable_profile_graph_capture",
+                     "enable_deterministic_inference"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a boolean, got {getattr(self, name)!r}")
         object.__setattr__(self, "decode_graph_batch_sizes",
@@ -186,6 +192,14 @@ class EngineConfig:
         if self.attention_backend is not None and self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS} or None (by device), "
                              f"got {self.attention_backend!r}")
+        if self.enable_deterministic_inference:
+            for name, value in (("moe_backend", self.moe_backend), ("attention_backend", self.attention_backend)):
+                if value not in (None, "torch"):
+                    raise ValueError(f"enable_deterministic_inference runs the batch-invariant torch ops: "
+                                     f"{name} must be 'torch' or None, got {value!r}")
+            if self.cpu_reserve:
+                raise ValueError(f"enable_deterministic_inference needs the same threads in every forward: "
+                                 f"cpu_reserve must be 0, got {self.cpu_reserve}")
         if not isinstance(self.weight_version, str):
             raise ValueError(f"weight_version must be a string, got {self.weight_version!r}")
 
@@ -251,6 +265,8 @@ class EngineConfig:
         """attention_backend, or by device: CUDA -> flashinfer when importable, else triton; CPU -> torch."""
         if self.attention_backend is not None:
             return self.attention_backend
+        if self.enable_deterministic_inference:
+            return "torch"
         from rollout.models.attention_backend import default_attention_backend  # noqa: PLC0415
 
         return default_attention_backend(self.device)
@@ -265,6 +281,8 @@ class EngineConfig:
         installed and "torch" otherwise (on CPU Triton runs only under its interpreter, for tests)."""
         if self.moe_backend is not None:
             return self.moe_backend
+        if self.enable_deterministic_inference:
+            return "torch"
         cuda = self.device.startswith("cuda") and importlib.util.find_spec("triton") is not None
         return "triton" if cuda else "torch"
 

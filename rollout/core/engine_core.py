@@ -23,6 +23,7 @@ from rollout.core.kv_pool import KVPool
 from rollout.ipc.messages import ReqUpdate, floats, ints
 from rollout.exec.model_runner import ModelRunner
 from rollout.models.attention_backend import make_attention_backend
+from rollout.exact import make_exact
 from rollout.models.moe import FusedExperts, set_moe_backend
 from rollout.models.registry import load_model
 from rollout.core.radix_cache import RadixCache
@@ -58,6 +59,8 @@ class EngineCore(EngineControl):
         self.model, _ = load_model(cfg.model_path, cfg.dtype, self.device,
                                    expert_shard=(ep_group.rank, ep_group.size) if ep_group is not None else None)
         set_moe_backend(self.model, cfg.resolved_moe_backend)
+        if cfg.enable_deterministic_inference:
+            make_exact(self.model)
         self.info = self.model.info
         experts = [m for m in self.model.modules() if isinstance(m, FusedExperts)]
         self._expert_report = {  # what this rank holds of the routed experts (expert parallel)

@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from rollout import exact as exact_ops
 from rollout.exec.forward_batch import ForwardBatch
 
 
@@ -14,6 +15,8 @@ class PagedAttention(nn.Module):
     Queries are scattered into a padded [B, max_extend] grid (fb.q_pad_index), keys/values are
     gathered from the pool as [B, max_seq] (fb.kv_indices) and one SDPA call covers the batch.
     """
+
+    exact = False   # rollout.exact.attention over the step's whole grid (deterministic inference)
 
     def __init__(self, *, layer_id: int, num_heads: int, num_kv_heads: int, head_dim: int,
                  sliding_window: int | None = None):
@@ -39,9 +42,28 @@ class PagedAttention(nn.Module):
     def attend(self, q: torch.Tensor, fb: ForwardBatch, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
         """q [N, H, D] over the KV already in the pool -> [N, H*D], through the engine's attention
         backend (fb.attention: Triton or FlashInfer kernels) or, without one, torch."""
+        if self.exact:
+            return self.exact_attend(q, fb, attn_mask)
         if fb.attention is not None:
             return fb.attention.attend(self, q, fb, attn_mask)
         return self.torch_attend(q, fb, attn_mask)
+
+    def exact_attend(self, q: torch.Tensor, fb: ForwardBatch, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Batch-invariant: rollout.exact.attention over the whole grid (no segments, no cascade)."""
+        mask = fb.attn_mask if attn_mask is None else attn_mask              # [B, 1, E, S]
+        bsz, extend, seq = fb.kv_indices.shape[0], fb.max_extend, mask.shape[-1]
+        n, h, d = q.shape
+        kvh = self.num_kv_heads
+        kv = fb.kv_pool.kv_buffers[self.layer_id].index_select(0, fb.kv_indices.reshape(-1))
+        kv = kv.view(bsz, seq, 2, kvh, d).to(q.dtype)
+        keys = kv[:, :, 0].transpose(1, 2).repeat_interleave(h // kvh, dim=1)  # [B, H, S, D]
+        values = kv[:, :, 1].transpose(1, 2).repeat_interleave(h // kvh, dim=1)
+        full = n == bsz * extend
+        q_pad = q if full else q.new_zeros(bsz * extend, h, d).index_copy_(0, fb.q_pad_index, q)
+        out = exact_ops.attention(q_pad.view(bsz, extend, h, d).transpose(1, 2), keys, values, mask,
+                                  self.scale)                                 # [B, H, E, D]
+        out = out.transpose(1, 2).reshape(bsz * extend, h * d)
+        return out if full else out.index_select(0, fb.q_pad_index)
 
     def torch_attend(self, q: torch.Tensor, fb: ForwardBatch, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
         """The torch path (and every kernel's reference): SDPA over the step's own attention grid."""

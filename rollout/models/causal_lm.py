@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from rollout import exact as exact_ops
 from rollout.exec.forward_batch import ForwardBatch
 from rollout.models.attention import PagedAttention
 from rollout.models.decoder import DecoderLayer
@@ -22,6 +23,7 @@ class MoeCausalLM(nn.Module):
 
     # (regex, replacement) applied to checkpoint names before mapping (e.g. Mixtral's block_sparse_moe)
     hf_renames: tuple[tuple[str, str], ...] = ()
+    exact = False   # lm_head through rollout.exact.linear (deterministic inference)
 
     def __init__(self, spec: ModelSpec):
         super().__init__()
@@ -91,4 +93,4 @@ class MoeCausalLM(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final-normed hidden states [B, hidden] -> float32 logits [B, vocab]."""
-        return F.linear(hidden, self.lm_head_weight).float()
+        return (exact_ops.linear if self.exact else F.linear)(hidden, self.lm_head_weight).float()

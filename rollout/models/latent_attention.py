@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from rollout import exact as exact_ops
 from rollout.exec.forward_batch import ForwardBatch
 
 
@@ -18,6 +19,7 @@ class LatentAttention(nn.Module):
     """Same contract as PagedAttention.attend: q [N, H, R + P] over the step's grid -> [N, H * R]."""
 
     sliding_window = None
+    exact = False   # rollout.exact.attention over the step's whole grid (deterministic inference)
 
     def __init__(self, *, layer_id: int, num_heads: int, kv_lora_rank: int, rope_dim: int, scale: float):
         super().__init__()
@@ -38,7 +40,7 @@ class LatentAttention(nn.Module):
         over the step's whole grid, which fb always carries."""
         mask = fb.attn_mask if attn_mask is None else attn_mask             # [B, 1, E, S]
         pool = fb.kv_pool.kv_buffers[self.layer_id]
-        if fb.segments and fb.cascade is None:
+        if fb.segments and fb.cascade is None and not self.exact:
             return torch.cat([
                 self._grid(q[g.tok_lo:g.tok_hi], pool, g.kv_flat, g.hi - g.lo, g.extend, g.q_pad_index,
                            mask[g.lo:g.hi, :, :g.extend, :g.width])
@@ -65,6 +67,9 @@ class LatentAttention(nn.Module):
         row_mask = mask[:, :, :, None, :].expand(bsz, 1, extend, h, seq).reshape(bsz, 1, extend * h, seq)
         # NOTE: values = the same rows (keys and values share one gather); the rope columns of the
         # output are dropped
-        out = F.scaled_dot_product_attention(rows, kv, kv, attn_mask=row_mask, scale=self.scale)
+        if self.exact:
+            out = exact_ops.attention(rows, kv, kv, row_mask, self.scale)
+        else:
+            out = F.scaled_dot_product_attention(rows, kv, kv, attn_mask=row_mask, scale=self.scale)
         out = out[..., :self.kv_lora_rank].reshape(bsz * extend, h * self.kv_lora_rank)
         return out if q_pad_index is None else out[q_pad_index]

@@ -5,9 +5,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from rollout import exact as exact_ops
+
 
 class RMSNorm(nn.Module):
     """RMSNorm over the last dim; normalises in fp32, scales in the input dtype (as HF does)."""
+
+    exact = False   # rollout.exact.rms_norm (deterministic inference)
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -15,6 +19,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.exact:
+            return exact_ops.rms_norm(x, self.weight, self.eps)
         dtype = x.dtype
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -60,6 +66,8 @@ class RotaryEmbedding(nn.Module):
 class GatedMLP(nn.Module):
     """down(silu(gate(x)) * up(x)); HF parameter names so checkpoints map one to one."""
 
+    exact = False   # rollout.exact.silu (deterministic inference)
+
     def __init__(self, hidden_size: int, intermediate_size: int):
         super().__init__()
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
@@ -67,4 +75,5 @@ class GatedMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        act = exact_ops.silu if self.exact else F.silu
+        return self.down_proj(act(self.gate_proj(x)) * self.up_proj(x))

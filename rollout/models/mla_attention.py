@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from rollout import exact as exact_ops
 from rollout.exec.forward_batch import ForwardBatch
 from rollout.models.latent_attention import LatentAttention
 from rollout.models.layers import RMSNorm, RotaryEmbedding
@@ -20,6 +21,8 @@ from rollout.models.spec import ModelSpec
 
 
 class MLASelfAttention(nn.Module):
+    exact = False   # the absorbed W_UK / W_UV products through rollout.exact.grouped_linear
+
     def __init__(self, spec: ModelSpec, layer_id: int):
         super().__init__()
         mla = spec.mla
@@ -67,11 +70,18 @@ class MLASelfAttention(nn.Module):
         k_rope = self._rotate(k_rope.view(n, 1, self.rope), cos, sin)        # [N, 1, P]
         self.attn.write_latent(torch.cat((latent, k_rope[:, 0]), dim=-1), fb)
         w_uk, _ = self._w_kv()
-        q_lat = torch.einsum("nhd,hdr->nhr", q_nope, w_uk)                   # [N, H, R]
+        if self.exact:
+            q_lat = exact_ops.grouped_linear(q_nope.transpose(0, 1), w_uk.transpose(1, 2)).transpose(0, 1)
+        else:
+            q_lat = torch.einsum("nhd,hdr->nhr", q_nope, w_uk)               # [N, H, R]
         return torch.cat((q_lat, self._rotate(q_rope, cos, sin)), dim=-1)
 
     def output(self, attn: torch.Tensor) -> torch.Tensor:
         """attn [N, H * R] (attention core output, latent space) -> [N, hidden]."""
         _, w_uv = self._w_kv()
-        heads = torch.einsum("nhr,hvr->nhv", attn.view(-1, self.num_heads, self.rank), w_uv)  # [N, H, v]
+        per_head = attn.view(-1, self.num_heads, self.rank)
+        if self.exact:
+            heads = exact_ops.grouped_linear(per_head.transpose(0, 1), w_uv).transpose(0, 1)  # [N, H, v]
+        else:
+            heads = torch.einsum("nhr,hvr->nhv", per_head, w_uv)              # [N, H, v]
         return self.o_proj(heads.reshape(attn.shape[0], self.num_heads * self.v_dim))   # NOTE: 0 rows on an idle DP rank

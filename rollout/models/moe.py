@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from rollout import exact as exact_ops
 from rollout.config import MOE_BACKENDS
 from rollout.exec.forward_batch import ForwardBatch
 from rollout.models.layers import GatedMLP
@@ -14,12 +15,14 @@ from rollout.models.topk import softmax_topk
 class Router(nn.Module):
     """Bias-free gate linear; a module so its weight is named `gate.weight` as in HF checkpoints."""
 
+    exact = False   # rollout.exact.linear (deterministic inference)
+
     def __init__(self, hidden_size: int, num_experts: int):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight)                                    # [N, E]
+        return (exact_ops.linear if self.exact else F.linear)(x, self.weight)  # [N, E]
 
 
 class FusedExperts(nn.Module):
@@ -28,6 +31,8 @@ class FusedExperts(nn.Module):
     Unsharded, E_local = num_experts. Under expert parallelism (DP attention) a rank holds only the
     experts [expert_lo, expert_hi) of num_experts; routing ids stay global everywhere.
     """
+
+    exact = False   # impl "exact" (rollout.exact.fused_experts) unless one is forced
 
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int):
         super().__init__()
@@ -60,8 +65,8 @@ class FusedExperts(nn.Module):
             raise ValueError(f"experts [{lo}, {hi}) are not all held here ([{self.expert_lo}, {self.expert_hi}))")
         if lo == hi:
             return torch.zeros_like(x)
-        impl = impl or self.choose_impl(x, graph_safe, topk_ids.numel())
-        run = {"padded": self._forward_padded, "grouped": self._forward_grouped, "loop": self._forward_loop,
+        impl = impl or ("exact" if self.exact else self.choose_impl(x, graph_safe, topk_ids.numel()))
+        run = {"exact": self._forward_exact, "padded": self._forward_padded, "grouped": self._forward_grouped, "loop": self._forward_loop,
                "dense": self._forward_dense, "triton": self._forward_triton}[impl]
         return run(x, topk_weights, topk_ids, lo, hi)
 
@@ -157,6 +162,16 @@ class FusedExperts(nn.Module):
             start += cnt
         return out
 
+    def _forward_exact(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                       lo: int, hi: int, per_slot: bool = False) -> torch.Tensor:
+        first = lo - self.expert_lo
+        return exact_ops.fused_experts(x, self.w13[first:first + hi - lo], self.w2[first:first + hi - lo],
+                                       topk_weights, topk_ids, lo, per_slot=per_slot)
+
+    def exact_terms(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        """The held experts' weighted outputs per top-k slot [N, K, H] (0 for slots routed elsewhere)."""
+        return self._forward_exact(x, topk_weights, topk_ids, self.expert_lo, self.expert_hi, per_slot=True)
+
     def _forward_triton(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                         lo: int, hi: int) -> torch.Tensor:
         from rollout.models.moe_triton import fused_moe  # noqa: PLC0415  (triton only when chosen)
@@ -208,9 +223,17 @@ class SparseMoE(nn.Module):
                 "DP attention needs the model loaded with this rank's expert shard (load_model(expert_shard=...))"
             x_all = ep.gather(x, fb.layout)                                # [layout.total_rows, H]
             topk_weights, topk_ids = self.route(x_all, fb)
-            partial = self.experts(x_all, topk_weights, topk_ids, graph_safe=fb.graph_safe,
-                                   impl=self._experts_impl)                # own experts
-            out = ep.reduce_own(partial, fb.layout)                        # [N, H]
+            if self.experts.exact:
+                # NOTE: the ranks' terms are added per slot (one nonzero term each), then the slots
+                # in order: the same bits as one rank holding every expert
+                terms = self.experts.exact_terms(x_all, topk_weights, topk_ids)  # [rows, K, H]
+                rows, k, hidden = terms.shape
+                own = ep.reduce_own(terms.view(rows, k * hidden), fb.layout)     # [N, K*H]
+                out = exact_ops.sum_slots(own.view(-1, k, hidden))               # [N, H]
+            else:
+                partial = self.experts(x_all, topk_weights, topk_ids, graph_safe=fb.graph_safe,
+                                       impl=self._experts_impl)            # own experts
+                out = ep.reduce_own(partial, fb.layout)                    # [N, H]
         shared = self.shared_output(x)
         return out if shared is None else out + shared
 
@@ -226,7 +249,8 @@ class SparseMoE(nn.Module):
         """The shared expert's part of the output [N, H] (this rank's own rows), or None."""
         if self.shared_expert is None:
             return None
-        return torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        sigmoid = exact_ops.sigmoid if self.experts.exact else torch.sigmoid
+        return sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
 
     def _route(self, router_logits: torch.Tensor, fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
         if self.moe_backend == "triton":

@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from rollout import exact as exact_ops
 from rollout.exec.forward_batch import ForwardBatch
 from rollout.models.layers import GatedMLP
 from rollout.models.moe import SparseMoE
@@ -18,6 +19,8 @@ class BiasedRouter(nn.Module):
     The bias is a load-balancing statistic (updated outside the gradient by the trainer's
     balancing rule): a parameter here only so checkpoints and weight updates reach it by name.
     """
+
+    exact = False   # rollout.exact.linear (deterministic inference)
 
     def __init__(self, hidden_size: int, num_experts: int):
         super().__init__()
@@ -35,7 +38,7 @@ class BiasedRouter(nn.Module):
         return self
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x.float(), self.weight)                            # [N, E] float32
+        return (exact_ops.linear if self.exact else F.linear)(x.float(), self.weight)  # [N, E] float32
 
 
 class GroupedSigmoidMoE(SparseMoE):
@@ -60,7 +63,7 @@ class GroupedSigmoidMoE(SparseMoE):
         return grouped_sigmoid_topk(self.gate(x), self.gate.e_score_correction_bias, self.top_k,
                                     n_group=self.n_group, topk_group=self.topk_group,
                                     renormalize=self.renormalize, scaling_factor=self.routed_scaling_factor,
-                                    capture=fb.capture, layer_id=self.layer_id)
+                                    capture=fb.capture, layer_id=self.layer_id, exact=self.gate.exact)
 
     def shared_output(self, x: torch.Tensor) -> torch.Tensor | None:
         return None if self.shared_experts is None else self.shared_experts(x)

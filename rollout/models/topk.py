@@ -9,6 +9,8 @@ from typing import Any, Optional
 
 import torch
 
+from rollout.exact import sigmoid as exact_sigmoid
+
 
 def softmax_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool, *,
                  capture: Optional[Any] = None,
@@ -35,8 +37,8 @@ def softmax_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool, *,
 
 def grouped_sigmoid_topk(router_logits: torch.Tensor, correction_bias: torch.Tensor, top_k: int, *,
                          n_group: int, topk_group: int, renormalize: bool, scaling_factor: float,
-                         capture: Optional[Any] = None,
-                         layer_id: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                         capture: Optional[Any] = None, layer_id: int | None = None,
+                         exact: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """DeepSeek-V3 / GLM-4.5 rule ("noaux_tc"): sigmoid scores, biased choice inside the best groups.
 
     router_logits [N, E] (any float dtype), correction_bias [E] -> topk_weights float32 [N, K],
@@ -48,7 +50,8 @@ def grouped_sigmoid_topk(router_logits: torch.Tensor, correction_bias: torch.Ten
     3. ids = the top_k eligible experts by choice value.
     4. weights = the *unbiased* scores at those ids, divided by their sum (+ 1e-20) when
        renormalize (norm_topk_prob), times scaling_factor (routed_scaling_factor).
-    Ties (groups and experts): the lower id wins, as in softmax_topk.
+    Ties (groups and experts): the lower id wins, as in softmax_topk. exact: the sigmoid of
+    rollout.exact (deterministic inference; torch's differs in the last bits by tensor size).
     """
     n, e = router_logits.shape
     if not 0 < top_k <= e:
@@ -56,7 +59,7 @@ def grouped_sigmoid_topk(router_logits: torch.Tensor, correction_bias: torch.Ten
     if n_group < 1 or e % n_group or not 0 < topk_group <= n_group:
         raise ValueError(f"n_group={n_group} must divide num_experts={e} and topk_group={topk_group} "
                          f"must be in [1, n_group]")
-    scores = torch.sigmoid(router_logits.float())                             # [N, E]
+    scores = (exact_sigmoid if exact else torch.sigmoid)(router_logits.float())                             # [N, E]
     choice = scores + correction_bias.float()                                 # [N, E]
     if topk_group < n_group:
         per_group = e // n_group

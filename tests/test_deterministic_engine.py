@@ -1,0 +1,111 @@
+"""Deterministic inference: a request's tokens, logprobs and routing rows are the same bits
+whatever the batch, chunking, prefix-cache state, retraction or DP rank; decode == prefill."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from tiny_models import ARCHS, GROUPED_ARCHS, make_engine, random_prompts
+
+TARGET = {"temperature": 0.8, "top_p": 0.95, "max_new_tokens": 12, "ignore_eos": True, "sampling_seed": 7,
+          "logprob_mode": "raw"}
+
+
+def _run(engine, prompt, params=TARGET):
+    return engine.generate(input_ids=[prompt], sampling_params=params, return_logprob=True, top_logprobs_num=3,
+                           return_routed_experts=True)[0]
+
+
+def _same(a, b) -> None:
+    assert a.output_ids == b.output_ids
+    assert torch.equal(torch.tensor(a.output_logprobs), torch.tensor(b.output_logprobs))
+    assert a.output_top_logprobs == b.output_top_logprobs
+    assert torch.equal(a.routed_experts, b.routed_experts)
+
+
+def _others(seed: int, count: int) -> tuple[list[list[int]], list[dict]]:
+    rng = random.Random(seed)
+    prompts = random_prompts(seed, [rng.randrange(3, 70) for _ in range(count)])
+    params = [{"temperature": 1.0, "max_new_tokens": rng.randrange(1, 20), "ignore_eos": True} for _ in prompts]
+    return prompts, params
+
+
+def _mixed(engine, target, seed: int):
+    """The target among random others: some queued before it, some in the same call, some after."""
+    prompts, params = _others(seed, 9)
+    early = engine.submit(lambda _: None, input_ids=prompts[:4], sampling_params=params[:4])
+    out = engine.generate(input_ids=prompts[4:7] + [target] + prompts[7:],
+                          sampling_params=params[4:7] + [TARGET] + params[7:], return_logprob=True,
+                          top_logprobs_num=3, return_routed_experts=True)[3]
+    assert early.rids
+    return out
+
+
+# NOTE: one softmax-router and one MLA + grouped-routing arch by default (each ~50 s on 2 cores);
+# the others under slow
+@pytest.mark.parametrize("arch", [a if a in ("qwen3_moe", "deepseek_v3") else pytest.param(a, marks=pytest.mark.slow)
+                                  for a in ARCHS + GROUPED_ARCHS])
+def test_request_is_batch_invariant(tiny_checkpoint, arch):
+    path = tiny_checkpoint(arch)
+    target = random_prompts(11, [45])[0]
+    with make_engine(path, enable_deterministic_inference=True, enable_prefix_caching=False) as engine:
+        alone = _run(engine, target)
+    # small chunks, a tight KV pool (retractions), prefix-cache hits, other requests all around
+    with make_engine(path, enable_deterministic_inference=True, chunked_prefill_size=16,
+                     max_total_tokens=260) as engine:
+        mixed = _mixed(engine, target, seed=3)
+        hit = _run(engine, target)
+        # decode vs prefill: the same tokens scored at once by a later request
+        scored = engine.generate(input_ids=[target + alone.output_ids], return_logprob=True,
+                                 logprob_start_len=len(target) - 1, return_routed_experts=True,
+                                 sampling_params={"max_new_tokens": 1, "temperature": 0.0})[0]
+        stats = engine.stats()
+        engine.check_integrity()
+    _same(alone, mixed)
+    _same(alone, hit)
+    assert hit.cached_tokens > 0
+    assert stats["num_retractions"] > 0
+    assert torch.equal(torch.tensor(scored.input_logprobs), torch.tensor(alone.output_logprobs))
+    rows = alone.routed_experts.shape[0]
+    assert torch.equal(scored.routed_experts[:rows], alone.routed_experts)
+
+
+BUCKETS = dict(decode_graph_batch_sizes=(1, 2, 4), prefill_graph_token_sizes=(16, 32), chunked_prefill_size=48)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", pytest.param("deepseek_v3", marks=pytest.mark.slow)])
+def test_dp_ranks_static_runners_and_streaming_agree(tiny_checkpoint, arch):
+    """dp 2 with expert parallelism, static-bucket runners, streamed: the same bits as one eager
+    rank holding every expert (the ranks' expert terms are added per top-k slot)."""
+    path = tiny_checkpoint(arch)
+    target = random_prompts(12, [30])[0]
+    with make_engine(path, enable_deterministic_inference=True) as engine:
+        alone = _run(engine, target)
+    prompts, params = _others(5, 5)
+    with make_engine(path, dp_size=2, enable_deterministic_inference=True, **BUCKETS) as engine:
+        on_rank = []
+        for rank in (0, 1):
+            outs = engine.generate(input_ids=prompts + [target], sampling_params=params + [TARGET],
+                                   return_logprob=True, top_logprobs_num=3, return_routed_experts=True,
+                                   routed_dp_rank=[rank, 1 - rank, rank, 1 - rank, rank, rank])
+            on_rank.append(outs[-1])
+        chunks = list(engine.generate(input_ids=[target], sampling_params=TARGET, return_logprob=True,
+                                      top_logprobs_num=3, return_routed_experts=True, stream=True,
+                                      routed_dp_rank=1))
+        pair = engine.generate(input_ids=[target], sampling_params={**TARGET, "n": 2, "max_new_tokens": 24})
+    for out in on_rank + [chunks[-1].output]:
+        _same(alone, out)
+    assert pair[0].output_ids != pair[1].output_ids   # each sample has its own seed
+
+
+def test_config_refuses_what_breaks_invariance():
+    from rollout.config import EngineConfig
+
+    assert EngineConfig(enable_deterministic_inference=True, device="cuda").resolved_attention_backend == "torch"
+    for bad, field in ((dict(moe_backend="triton"), "moe_backend"), (dict(attention_backend="flashinfer"),
+                       "attention_backend"), (dict(cpu_reserve=1), "cpu_reserve")):
+        with pytest.raises(ValueError, match=field):
+            EngineConfig(enable_deterministic_inference=True, **bad)
+        EngineConfig(**bad)   # fine without the mode
