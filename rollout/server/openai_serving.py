@@ -12,6 +12,7 @@ from starlette.responses import Response
 from rollout.output import RolloutOutput
 from rollout.server.engine_stream import EngineStream
 from rollout.server.responses import ApiError, SSEResponse, json_response, param_of, sse
+from rollout.server.text_bound import OFF_LOOP_CHARS, TextBound
 from rollout.server.routing_format import check_routing_format, encode_rows
 from rollout.stream_chunk import StreamChunk
 
@@ -48,6 +49,7 @@ class OpenAIServing:
         self.incremental_streaming = incremental_streaming
         self.model_name = model_name
         self.metrics = metrics
+        self.bound = TextBound(engine)
 
     def models(self) -> dict:
         return {"object": "list", "data": [{
@@ -159,6 +161,10 @@ class OpenAIServing:
         else:
             raise ApiError(400, "prompt must be a string, a list of strings, a list of token ids or a list of "
                                 "such lists", param="prompt")
+        if prompts is not None:
+            self.bound.check(prompts, "prompt", single=isinstance(prompt, str))
+            if sum(map(len, prompts)) > OFF_LOOP_CHARS:
+                input_ids, prompts = await self.bound.tokenize(prompts, "prompt"), None
         params, kwargs = self._common(body, default_max=16)
         logprobs = _get(body, "logprobs", (int,), None)
         stream = _get(body, "stream", (bool,), False)
@@ -232,6 +238,8 @@ class OpenAIServing:
         if fmt_obj not in (None, {"type": "text"}):
             raise ApiError(400, "response_format must be {'type': 'text'} (no constrained decoding)",
                            param="response_format")
+        # NOTE: the template only adds text: contents that cannot fit are refused before it renders them
+        self.bound.check(["".join(m["content"] for m in messages)], "messages", single=True)
         try:
             ids = await asyncio.to_thread(self.engine.tokenizer.apply_chat_template, messages, True, tools)
         except Exception as exc:  # noqa: BLE001 (template errors come from jinja)
