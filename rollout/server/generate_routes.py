@@ -31,7 +31,7 @@ def _engine_error(exc: ValueError, known: set[str]) -> ApiError:
 
 
 def add_generate_routes(app: FastAPI, *, engine: Rollout, args: ServerArgs, metrics: Metrics,
-                        ignored: IgnoredFields, blocking: Callable[..., Awaitable[Any]]) -> None:
+                        ignored: IgnoredFields, blocking: Callable[..., Awaitable[Any]], shutdown: Any) -> None:
     info = engine.info
     bound = TextBound(engine)
 
@@ -82,7 +82,7 @@ def add_generate_routes(app: FastAPI, *, engine: Rollout, args: ServerArgs, metr
             for size in sizes:
                 metrics.routing_bytes(call.fmt, size)
             return Response(data, media_type="application/json")
-        stream = GenerateStream(call, es, engine=engine, metrics=metrics, decode=decode)
+        stream = GenerateStream(call, es, engine=engine, metrics=metrics, decode=decode, shutdown=shutdown)
         return SSEResponse(stream.events(), es.close)
 
     def parse_generate(body: dict) -> GenerateCall:

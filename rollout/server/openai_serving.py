@@ -11,7 +11,8 @@ from starlette.responses import Response
 
 from rollout.output import RolloutOutput
 from rollout.server.engine_stream import EngineStream
-from rollout.server.responses import ApiError, SSEResponse, json_response, param_of, sse
+from rollout.frontend.api import EngineDeadError
+from rollout.server.responses import ApiError, SSEResponse, error_body, json_response, param_of, sse
 from rollout.server.text_bound import OFF_LOOP_CHARS, TextBound
 from rollout.server.routing_format import check_routing_format, encode_rows
 from rollout.stream_chunk import StreamChunk
@@ -44,8 +45,10 @@ def _get(body: dict, name: str, types: tuple, default: Any = None) -> Any:
 
 
 class OpenAIServing:
-    def __init__(self, engine: Any, model_name: str, metrics: Any, *, incremental_streaming: bool = False):
+    def __init__(self, engine: Any, model_name: str, metrics: Any, *, incremental_streaming: bool = False,
+                 shutdown: Any = None):
         self.engine = engine
+        self.shutdown = shutdown   # ShutdownState (the error event of streams the shutdown aborted)
         self.incremental_streaming = incremental_streaming
         self.model_name = model_name
         self.metrics = metrics
@@ -313,26 +316,35 @@ class OpenAIServing:
                 for rid in es.rids:
                     yield sse({**meta, "object": chunk_obj,
                                "choices": [{"index": index[rid], **opening, "finish_reason": None}]})
-            async for chunk in es.items(keepalive=True):
-                if chunk is None:
-                    yield ": keep-alive\n\n"
-                    continue
-                choice = {"index": index[chunk.rid], **delta_of(chunk), "finish_reason": None}
-                if token_ids:
-                    choice["token_ids"] = list(chunk.output_ids)
-                if chunk.finished:
-                    choice["finish_reason"], choice["matched_stop"] = self._finish(chunk.output)
-                    finals.append(chunk.output)
-                obj = {**meta, "object": chunk_obj, "choices": [choice]}
-                ext = self._chunk_ext(chunk, fmt, incremental)
-                if ext is not None:
-                    obj["sglext"] = ext
-                yield sse(obj)
+            try:
+                async for chunk in es.items(keepalive=True):
+                    if chunk is None:
+                        yield ": keep-alive\n\n"
+                        continue
+                    choice = {"index": index[chunk.rid], **delta_of(chunk), "finish_reason": None}
+                    if token_ids:
+                        choice["token_ids"] = list(chunk.output_ids)
+                    if chunk.finished:
+                        choice["finish_reason"], choice["matched_stop"] = self._finish(chunk.output)
+                        finals.append(chunk.output)
+                    obj = {**meta, "object": chunk_obj, "choices": [choice]}
+                    ext = self._chunk_ext(chunk, fmt, incremental)
+                    if ext is not None:
+                        obj["sglext"] = ext
+                    yield sse(obj)
+            except EngineDeadError as exc:   # NOTE: the stream has begun: its end says why, as /generate's
+                yield sse(error_body(str(exc), "server_error", code=503))
+                yield "data: [DONE]\n\n"
+                return
             self.metrics.finished(finals)
             if include_usage:
                 finals.sort(key=lambda o: index[o.rid])
                 usage = self._usage(finals, es.submission.prompt_index)
                 yield sse({**meta, "object": chunk_obj, "choices": [], "usage": usage})
+            ending = next((e for e in map(self.shutdown.error_for, finals) if e is not None), None) \
+                if self.shutdown is not None else None
+            if ending is not None:
+                yield sse(ending)
             yield "data: [DONE]\n\n"
 
         return SSEResponse(events(), es.close)
