@@ -253,3 +253,17 @@ def test_large_answer_is_built_off_the_loop(server, admin):
         assert all(len(o["meta_info"]["output_top_logprobs"]) == 32 for o in r.json())
     assert not prober.failures and prober.worst_s < STALL_BOUND_S, prober.worst_s
     assert_idle_and_clean(admin)
+
+
+def test_taken_port_fails_fast_without_traceback():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(os.path.dirname(__file__)),
+                                                             os.environ.get("PYTHONPATH", "")])}
+        # NOTE: a model path that does not exist: the bind must fail before any load is tried
+        p = subprocess.run([sys.executable, "-m", "rollout.server", "--port", str(port), "--host", "127.0.0.1",
+                            "--model-path", "/nonexistent-model"], capture_output=True, text=True, timeout=120, env=env)
+    assert p.returncode == 1, p.stderr[-2000:]
+    assert f"cannot listen on 127.0.0.1:{port}" in p.stderr and "Traceback" not in p.stderr, p.stderr[-2000:]

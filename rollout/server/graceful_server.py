@@ -86,13 +86,18 @@ class GracefulServer(uvicorn.Server):
             connection.shutdown()   # NOTE: idle ones close now, busy ones after their answer
         engine = self.engine
         deadline = time.monotonic() + self.drain_s
-        while engine.is_alive and engine.num_in_flight and time.monotonic() < deadline and not self._hurry:
+        while (engine.num_in_flight or self.server_state.tasks) and time.monotonic() < deadline and not self._hurry:
             await asyncio.sleep(0.05)
         self.state.aborted = True
-        if engine.is_alive and engine.num_in_flight:
-            logger.warning("aborting %d request(s) still in flight", engine.abort_in_flight(SHUTDOWN_MESSAGE))
+        aborted: set[int] = set()
         deadline = time.monotonic() + ABORT_FLUSH_S
         while (self.server_state.connections or self.server_state.tasks) and time.monotonic() < deadline:
+            # NOTE: again each round: a request still being parsed when the drain ended is submitted later
+            if engine.is_alive:
+                now = engine.abort_in_flight(SHUTDOWN_MESSAGE, aborted)
+                if now:
+                    logger.warning("aborting %d request(s) still in flight", len(now))
+                aborted.update(now)
             await asyncio.sleep(0.02)
         for connection in list(self.server_state.connections):
             connection.shutdown()
