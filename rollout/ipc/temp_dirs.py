@@ -18,7 +18,7 @@ logger = logging.getLogger(__name__)
 _OWNED = re.compile(r"^rollout-(?:weights-)?(\d+)-[A-Za-z0-9_]+$")
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -55,7 +55,7 @@ def remove_dirs_of(pids: Iterable[int], root: Optional[str] = None) -> int:
 
 def remove_stale_dirs(root: Optional[str] = None) -> int:
     """Removes the directories whose process no longer runs; returns how many."""
-    stale = [pid for _, pid in owned_dirs(root) if pid != os.getpid() and not _pid_alive(pid)]
+    stale = [pid for _, pid in owned_dirs(root) if pid != os.getpid() and not pid_alive(pid)]
     removed = remove_dirs_of(stale, root)
     if removed:
         logger.info("removed %d temporary director%s left by exited rollout processes", removed,
