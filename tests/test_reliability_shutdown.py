@@ -46,7 +46,7 @@ def _sse(text):
 
 @pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 0), (signal.SIGINT, 130)])
 def test_signal_drains_then_aborts_with_exact_partials(tmp_path, sig, code):
-    srv = _server(tmp_path, "--shutdown-drain-s", "1.5").start()
+    srv = _server(tmp_path, "--shutdown-drain-s", "4").start()
     proc = srv._server.proc
     try:
         url = srv.url
