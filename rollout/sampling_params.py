@@ -3,9 +3,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import re
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
+
+from rollout.stop_pattern import compile_stop_pattern
 
 GREEDY_TEMPERATURE = 1e-6  # temperatures below this mean greedy (SGLang's convention)
 LOGPROB_MODES = ("raw", "scaled", "processed")
@@ -31,10 +32,7 @@ def _check_stop_regex(value: Any) -> tuple[str, ...]:
     if len(pats) > 16 or any(len(r) > 512 for r in pats):
         raise ValueError("stop_regex must hold at most 16 patterns of at most 512 characters each")
     for r in pats:
-        try:
-            rx = re.compile(r)
-        except re.error as exc:
-            raise ValueError(f"stop_regex {r!r} is not a valid regular expression: {exc}"[:300]) from None
+        rx = compile_stop_pattern(r)
         if rx.search("") is not None:
             raise ValueError(f"stop_regex {r!r} matches the empty string"[:300])
     return tuple(pats)
@@ -113,7 +111,7 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(ids))
         object.__setattr__(self, "stop_regex", _check_stop_regex(self.stop_regex))
         # NOTE: not a field: the compiled stop_regex patterns (checked after each token)
-        object.__setattr__(self, "stop_patterns", tuple(re.compile(r) for r in self.stop_regex))
+        object.__setattr__(self, "stop_patterns", tuple(compile_stop_pattern(r) for r in self.stop_regex))
         # NOTE: not a field (no effect on ==, hash or replace): what the sampler does with this row,
         # so a batch whose rows share one key is sampled with scalars, not per-row tensors.
         greedy = self.is_greedy

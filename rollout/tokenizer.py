@@ -8,6 +8,8 @@ from typing import Any, Optional
 
 from tokenizers import Tokenizer as _HFTokenizer
 
+GIL_FREE_CHARS = 4096   # longer texts are encoded without holding the GIL
+
 
 def _as_id_list(value: Any) -> list[int]:
     if value is None:
@@ -25,6 +27,12 @@ class Tokenizer:
         self.path = path
         self._tok = _HFTokenizer.from_file(file)
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        # NOTE: a vocabulary entry's own spelling is at least as long as the text it decodes to (byte-level
+        # entries spell one character per byte); a normalizer may compose characters (NFC, NFKC), so
+        # twice that. Hence a text of more than context_length * max_chars_per_token characters never
+        # fits: it is refused before it is tokenized (a 30 MB text took ~4 GB and minutes to tokenize).
+        longest = max((len(k) for k in self._tok.get_vocab(with_added_tokens=True)), default=1)
+        self.max_chars_per_token = longest * (2 if self._tok.normalizer is not None else 1)
         self._chat_tokenizer = None
         self._chat_lock = threading.Lock()
         self._chat_rendered = False
@@ -41,7 +49,15 @@ class Tokenizer:
         return ids
 
     def encode(self, text: str) -> list[int]:
+        if len(text) > GIL_FREE_CHARS:
+            # NOTE: encode_batch releases the GIL while it works (encode holds it: a 1 MB text on a worker
+            # thread stalled the server's event loop for its whole ~2 s)
+            return self._tok.encode_batch([text], add_special_tokens=False)[0].ids
         return self._tok.encode(text, add_special_tokens=False).ids
+
+    def max_chars(self, max_tokens: int) -> int:
+        """The longest text that may encode to at most max_tokens tokens (a cheap bound, no tokenizing)."""
+        return max_tokens * self.max_chars_per_token
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import sys
 import traceback
 from datetime import timedelta
@@ -23,6 +24,7 @@ from rollout.core.engine_loop import EngineLoop, StepSync
 from rollout.core.engine_core import EngineCore
 from rollout.cpu_affinity import pin_process
 from rollout.ipc.messages import Fatal, Ready, StepOut
+from rollout.ipc.temp_dirs import pid_alive
 from rollout.ipc.transport import EngineSockets
 
 COLLECTIVE_TIMEOUT = timedelta(seconds=600)
@@ -53,17 +55,6 @@ def _join_dp_group(cfg: EngineConfig, rank: int, store_port: int) -> tuple[Engin
     return cfg, EPGroup(rank=rank, size=cfg.dp_size, device=device)
 
 
-def _pid_alive(pid: int) -> bool:
-    # NOTE: not os.getppid(): under forkserver the parent is the fork server, not the front end
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def engine_main(config: dict, rank: int, to_engine_addr: str, from_engine_addr: str,
                 store_port: Optional[int], parent_pid: int, sentinel_fd: Optional[int] = None) -> None:
     """sentinel_fd: the write end of the front end's exit pipe, held open (and never written)
@@ -84,7 +75,8 @@ def engine_main(config: dict, rank: int, to_engine_addr: str, from_engine_addr: 
         core = EngineCore(cfg, ep_group=ep_group, cpu_threads=threads)
         sockets.send(Ready(info={"kv_capacity": core.kv_capacity, "context_length": core.context_length,
                                  "weight_version": core.weight_version, "pid": os.getpid()}))
-        EngineLoop(core, sockets, sync=sync, alive=lambda: _pid_alive(parent_pid)).run()
+        # NOTE: the front end's pid, not os.getppid(): under forkserver the parent is the fork server
+        EngineLoop(core, sockets, sync=sync, alive=lambda: pid_alive(parent_pid)).run()
     except BaseException:  # noqa: BLE001 (reported to the front end, then the process exits non-zero)
         code = 1
         text = traceback.format_exc()
@@ -117,5 +109,9 @@ def engine_main(config: dict, rank: int, to_engine_addr: str, from_engine_addr: 
 
 
 if __name__ == "__main__":
+    # NOTE: a terminal's Ctrl-C and SLURM's or a supervisor's SIGTERM reach the whole process group; the
+    # engine ends when its front end tells it to (after aborting with partial outputs) or exits
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     _cfg, _rank, _to, _from, _port, _parent, _fd = sys.argv[1:8]
     engine_main(json.loads(_cfg), int(_rank), _to, _from, int(_port) or None, int(_parent), int(_fd))

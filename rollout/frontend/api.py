@@ -237,6 +237,16 @@ class Rollout:
         if self._client.dead_reason is None:
             self._client.abort(self._requests.uids_of(rids))
 
+    def abort_in_flight(self, message: str, done: Sequence[int] = ()) -> list[int]:
+        """Aborts every request in flight without waiting (safe from an event loop), but those in `done`
+        (the ids an earlier call returned); their outputs say abort with `message` (partial outputs and
+        routing as any abort). Returns the ids aborted now."""
+        skip = set(done)
+        uids = [u for u in self._requests.uids() if u not in skip]
+        if uids and self._client.dead_reason is None:
+            self._client.abort(uids, message)
+        return uids
+
     def abort_all(self) -> int:
         return sum(self._call("abort_all"))
 

@@ -25,6 +25,7 @@ import zmq
 from rollout.config import EngineConfig
 from rollout.frontend.engine_client import DeadCallback, EngineDeadError, UpdatesCallback, raise_reply
 from rollout.ipc.messages import AbortReqs, AddReqs, Call, Fatal, Ready, ReqSpec, Shutdown, StepOut
+from rollout.ipc.temp_dirs import remove_dirs_of, remove_stale_dirs
 from rollout.ipc.transport import FrontSockets, IpcDirectory
 from rollout.core.engine_proc import PEER_FAILED
 
@@ -101,6 +102,7 @@ class ProcessClient:
         self._steps = [0] * self.dp_size
         self._closed = False
         self._ctx = zmq.Context()
+        remove_stale_dirs()
         self._dir = IpcDirectory()
         self._sockets = [FrontSockets(self._ctx, self._dir.path, r) for r in range(self.dp_size)]
         store_port = None
@@ -337,6 +339,8 @@ class ProcessClient:
             if p.is_alive():
                 p.kill()
                 p.join(timeout=2.0)
+        # NOTE: an engine killed while its weights were released (the OOM killer) leaves them on disk
+        remove_dirs_of([p.pid for p in self._procs if not p.is_alive()])
 
     def close(self) -> None:
         if self._closed:

@@ -172,11 +172,14 @@ class RequestBuilder:
             prompt = np.asarray(ids, dtype=np.int32).tobytes()
             interval = p.stream_interval or self.config.stream_interval
             group = []
-            for k in range(p.n):
-                child = base_rid if p.n == 1 else f"{base_rid}_{k}"
-                if child in seen:
-                    raise ValueError("rid values must be unique within a call")
-                seen.add(child)
+            # NOTE: sample k of an n > 1 request is `<rid>_<k>`: no id may name both a sample and a prompt
+            children = [base_rid] if p.n == 1 else [f"{base_rid}_{k}" for k in range(p.n)]
+            clash = next((c for c in [base_rid, *children] if c in seen), None)
+            if clash is not None:
+                raise ValueError(f"rid values must be unique within a call: {clash!r} names two requests (sample k "
+                                 f"of an n > 1 request is named <rid>_<k>)")
+            seen.update(children + [base_rid])
+            for k, child in enumerate(children):
                 st = RequestState(
                     uid=next(self._uids), rid=child, group_rid=base_rid, prompt_ids=list(ids), params=p,
                     stream=stream, stream_interval=interval, return_logprob=lp, top_logprobs_num=top,

@@ -75,8 +75,8 @@ class RequestState:
         tops = None
         if upd.top_n:
             t_ids = np.frombuffer(upd.top_ids, dtype=np.int32).reshape(-1, upd.top_n).tolist()
-            t_lps = np.frombuffer(upd.top_logprobs, dtype=np.float32).reshape(-1, upd.top_n).tolist()
-            tops = [list(zip(a, b)) for a, b in zip(t_lps, t_ids)]
+            t_lps = np.frombuffer(upd.top_logprobs, dtype=np.float32).reshape(-1, upd.top_n)
+            tops = _top_rows(t_lps, t_ids)
         if upd.routing is not None and self.routing is not None:
             self.routed = True
             r = self.routing
@@ -178,8 +178,8 @@ class RequestState:
         if upd.input_top_ids:
             n = self.top_logprobs_num
             ids = np.frombuffer(upd.input_top_ids, dtype=np.int32).reshape(-1, n).tolist()
-            lps = np.frombuffer(upd.input_top_logprobs, dtype=np.float32).reshape(-1, n).tolist()
-            out["input_top_logprobs"] = [list(zip(a, b)) for a, b in zip(lps, ids)]
+            lps = np.frombuffer(upd.input_top_logprobs, dtype=np.float32).reshape(-1, n)
+            out["input_top_logprobs"] = _top_rows(lps, ids)
         return out
 
     def _chunk(self, *, finished: bool, output: Optional[RolloutOutput] = None) -> StreamChunk:
@@ -207,3 +207,12 @@ class RequestState:
         upd = ReqUpdate(uid=self.uid)
         (item,) = self._finish(FinishReason("abort", message=message), upd)
         return item.output if isinstance(item, StreamChunk) else item
+
+
+def _top_rows(lps: np.ndarray, ids: list[list[int]]) -> list[list[tuple[float, int]]]:
+    """[(logprob, id), ...] per position. NOTE: with logprob_mode "processed" a truncating top_k / top_p /
+    min_p leaves alternatives at -inf (probability 0, never sampled): they are left out, so a row may
+    hold fewer than top_logprobs_num entries, and no list carries a null."""
+    if np.isneginf(lps).any():
+        return [[(lp, t) for lp, t in zip(a, b) if lp != float("-inf")] for a, b in zip(lps.tolist(), ids)]
+    return [list(zip(a, b)) for a, b in zip(lps.tolist(), ids)]

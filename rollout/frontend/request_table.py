@@ -64,6 +64,10 @@ class RequestTable:
                     deliveries.append((st.sink, items))
         return deliveries, stopped
 
+    def uids(self) -> list[int]:
+        with self._lock:
+            return list(self._states)
+
     def uids_of(self, rids: Sequence[str]) -> list[int]:
         with self._lock:
             return [uid for r in rids for uid in self._rids.get(r, ())]

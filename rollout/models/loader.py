@@ -176,7 +176,12 @@ def _checkpoint_files(model_path: str | Path) -> list[Path]:
     path = Path(model_path)
     index = path / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
+        data = json.loads(index.read_text())
+        weight_map = data.get("weight_map") if isinstance(data, dict) else None
+        if not isinstance(weight_map, dict) or not weight_map or not all(
+                isinstance(f, str) and f for f in weight_map.values()):
+            raise ValueError(f"{index.name}: weight_map must be a non-empty object of tensor name -> file name, "
+                             f"got {type(weight_map).__name__}")
         return [path / f for f in sorted(set(weight_map.values()))]
     files = sorted(path.glob("*.safetensors"))
     if not files:

@@ -20,6 +20,7 @@ import gc
 import inspect
 import logging
 import os
+import signal
 import socket
 import sys
 import threading
@@ -35,6 +36,7 @@ from rollout.server.args import ServerArgs
 from rollout.server.control_routes import add_control_routes
 from rollout.server.error_handlers import add_error_handlers
 from rollout.server.generate_routes import add_generate_routes
+from rollout.server.graceful_server import GracefulServer, ShutdownState
 from rollout.server.guard import Guard
 from rollout.server.health import add_health_routes
 from rollout.server.ignored_fields import IgnoredFields
@@ -44,6 +46,7 @@ from rollout.server.openai_serving import OpenAIServing
 from rollout.server.request_models import install_openapi
 from rollout.server.server_info import VERSION, add_debug_routes, add_info_routes
 from rollout.server.weight_session import WeightSession, add_weight_session_routes
+from rollout.server.timed_protocol import timed_protocol
 from rollout.server.weight_updater import WeightUpdater
 from rollout.server.worker_state_routes import add_worker_state_routes
 
@@ -76,15 +79,17 @@ def create_app(engine: Rollout, server_args: ServerArgs) -> FastAPI:
     metrics = Metrics(set(), ignored)
     app.state.engine = engine
     app.state.updater = updater
+    app.state.shutdown = shutdown = ShutdownState()
 
     async def blocking(fn: Callable, *a: Any, pool: ThreadPoolExecutor = control_pool) -> Any:
         return await asyncio.get_running_loop().run_in_executor(pool, fn, *a)
 
     add_error_handlers(app, args)
     # NOTE: the routes are added in this order, which is also their order in /openapi.json
-    add_generate_routes(app, engine=engine, args=args, metrics=metrics, ignored=ignored, blocking=blocking)
+    add_generate_routes(app, engine=engine, args=args, metrics=metrics, ignored=ignored, blocking=blocking,
+                        shutdown=shutdown)
     add_openai_routes(app, OpenAIServing(engine, args.model_name, metrics,
-                                         incremental_streaming=args.incremental_streaming_output))
+                                         incremental_streaming=args.incremental_streaming_output, shutdown=shutdown))
     add_control_routes(app, engine=engine, args=args, updater=updater, blocking=blocking, weight_pool=weight_pool,
                        ignored=ignored)
     add_weight_session_routes(app, WeightSession(), ignored)
@@ -122,17 +127,26 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         from rollout.server.pickled_tensors import adopt_authkey  # noqa: PLC0415
 
         adopt_authkey(os.environ)
+    # NOTE: bound before the model loads: a taken port fails in a second, not after the load
+    try:
+        sock = _bind(args.host, args.port)
+    except OSError as exc:
+        print(f"rollout-serve: cannot listen on {args.host}:{args.port}: {exc.strerror or exc}", file=sys.stderr,
+              flush=True)
+        sys.exit(1)
+    # NOTE: a SIGTERM while the model loads unwinds the load (engine processes stopped, files removed)
+    signal.signal(signal.SIGTERM, lambda sig, frame: sys.exit(0))
     engine = Rollout(config=args.engine)
     died: list[str] = []
+    server = None
     try:
         app = create_app(engine, args)
-        sock = _bind(args.host, args.port)
         host, port = sock.getsockname()[:2]
         shown = f"[{host}]" if ":" in host else host
         print(f"rollout-serve listening on http://{shown}:{port}", flush=True)
-        config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=5,
-                                timeout_keep_alive=args.timeout_keep_alive, access_log=args.log_level == "debug")
-        server = uvicorn.Server(config)
+        config = uvicorn.Config(app, log_level=args.log_level, timeout_keep_alive=args.timeout_keep_alive,
+                                http=timed_protocol(args.timeout_read), access_log=args.log_level == "debug")
+        server = GracefulServer(config, engine=engine, drain_s=args.shutdown_drain_s, state=app.state.shutdown)
 
         def on_engine_dead(reason: str) -> None:
             died.append(reason)
@@ -154,9 +168,12 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         gc.freeze()
         server.run(sockets=[sock])
     finally:
+        sock.close()
         engine.shutdown()
     if died:
         sys.exit(1)
+    if server.signal is not None:
+        sys.exit(server.exit_code)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,10 @@ from rollout.config.engine_cli import add_engine_arguments, engine_cli_values, e
 
 DEFAULT_MAX_REQUEST_BYTES = 64 * 2**20
 DEFAULT_TIMEOUT_KEEP_ALIVE = 75
+DEFAULT_TIMEOUT_READ_S = 60
+# NOTE: under a supervisor's kill timeout (Kubernetes' terminationGracePeriodSeconds and SLURM's KillWait
+# are 30 s by default), leaving time to abort the rest and write their partial answers
+DEFAULT_SHUTDOWN_DRAIN_S = 20.0
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
 
@@ -32,6 +36,10 @@ class ServerArgs:
     # NOTE: well above HTTP clients' pool expiry (httpx 5 s, aiohttp 15 s): a server that closes an
     # idle connection first races the client's next request on it
     timeout_keep_alive: int = DEFAULT_TIMEOUT_KEEP_ALIVE
+    # a connection's request headers, then its body, must each arrive within this (slowloris)
+    timeout_read: int = DEFAULT_TIMEOUT_READ_S
+    # on SIGTERM / SIGINT: how long the requests in flight may run on before they are aborted
+    shutdown_drain_s: float = DEFAULT_SHUTDOWN_DRAIN_S
     incremental_streaming_output: bool = False
     allow_pickled_weight_tensors: bool = False
     # NOTE: for fleets behind sglang-router, which rebuilds /generate bodies from its own schema and
@@ -50,6 +58,13 @@ class ServerArgs:
                 or not 1 <= self.timeout_keep_alive <= 86400:
             raise ValueError(f"timeout_keep_alive must be an integer in [1, 86400] (seconds), "
                              f"got {self.timeout_keep_alive!r}")
+        if isinstance(self.timeout_read, bool) or not isinstance(self.timeout_read, int) \
+                or not 1 <= self.timeout_read <= 86400:
+            raise ValueError(f"timeout_read must be an integer in [1, 86400] (seconds), got {self.timeout_read!r}")
+        if isinstance(self.shutdown_drain_s, bool) or not isinstance(self.shutdown_drain_s, (int, float)) \
+                or not 0 <= self.shutdown_drain_s <= 86400:
+            raise ValueError(f"shutdown_drain_s must be a number in [0, 86400] (seconds), "
+                             f"got {self.shutdown_drain_s!r}")
         if self.log_level not in LOG_LEVELS:
             raise ValueError(f"log_level must be one of {LOG_LEVELS}, got {self.log_level!r}")
         for name in ("api_key", "admin_api_key"):
@@ -102,6 +117,12 @@ class ServerArgs:
                        help="larger request bodies get 413")
         h.add_argument("--timeout-keep-alive", type=int, default=DEFAULT_TIMEOUT_KEEP_ALIVE,
                        help="seconds an idle HTTP connection stays open (keep it above clients' pool expiry)")
+        h.add_argument("--timeout-read", type=int, default=DEFAULT_TIMEOUT_READ_S,
+                       help="seconds a connection may take to send a request's headers, and then its body "
+                            "(slower or silent connections are closed)")
+        h.add_argument("--shutdown-drain-s", type=float, default=DEFAULT_SHUTDOWN_DRAIN_S,
+                       help="on SIGTERM/SIGINT: seconds the requests in flight may run on before the rest are "
+                            "aborted (partial outputs, finish_reason abort); a second signal aborts at once")
         h.add_argument("--log-level", default="info", choices=LOG_LEVELS)
         h.add_argument("--enable-debug-endpoints", action="store_true", help=argparse.SUPPRESS)
         h.add_argument("--incremental-streaming-output", action="store_true",

@@ -2,8 +2,6 @@
 endpoint's clients read ({"error": {...}}; the weight endpoints add SGLang's {"success": false, "message"})."""
 from __future__ import annotations
 
-import logging
-
 from fastapi import FastAPI
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
@@ -15,8 +13,6 @@ from rollout.server.engine_stream import ClientGone
 from rollout.server.guard import WEIGHT_PATHS, BodyTooLarge
 from rollout.server.responses import ApiError, error_body, json_response
 from rollout.server.weight_updater import WeightUpdateError
-
-logger = logging.getLogger("rollout.server")
 
 
 def add_error_handlers(app: FastAPI, args: ServerArgs) -> None:
@@ -50,8 +46,3 @@ def add_error_handlers(app: FastAPI, args: ServerArgs) -> None:
     @app.exception_handler(ClientGone)
     async def _gone(request: Request, exc: ClientGone) -> Response:
         return Response(status_code=499)
-
-    @app.exception_handler(Exception)
-    async def _internal(request: Request, exc: Exception) -> Response:
-        logger.exception("internal error on %s", request.url.path)
-        return json_response(error_body(f"internal error: {type(exc).__name__}", "server_error", code=500), 500)

@@ -16,8 +16,10 @@ from rollout.server.generate_stream import GenerateStream
 from rollout.server.ignored_fields import IgnoredFields
 from rollout.server.metrics import Metrics
 from rollout.server.request_body import read_json
-from rollout.server.responses import ApiError, SSEResponse, json_response, param_of
+from rollout.server.responses import ApiError, SSEResponse, dumps_bytes, param_of
+from rollout.server.text_bound import OFF_LOOP_CHARS, TextBound
 
+LARGE_ANSWER_ENTRIES = 20000   # token and top-logprob entries past which an answer is built off the loop
 RID_IN_FLIGHT = "rid_in_flight_error"   # the error type clients retry on (the rid's earlier try is not done)
 
 
@@ -29,8 +31,9 @@ def _engine_error(exc: ValueError, known: set[str]) -> ApiError:
 
 
 def add_generate_routes(app: FastAPI, *, engine: Rollout, args: ServerArgs, metrics: Metrics,
-                        ignored: IgnoredFields, blocking: Callable[..., Awaitable[Any]]) -> None:
+                        ignored: IgnoredFields, blocking: Callable[..., Awaitable[Any]], shutdown: Any) -> None:
     info = engine.info
+    bound = TextBound(engine)
 
     def tokenize(texts: list[str]) -> list[list[int]]:
         return [engine.tokenizer.encode(t) for t in texts]
@@ -43,7 +46,9 @@ def add_generate_routes(app: FastAPI, *, engine: Rollout, args: ServerArgs, metr
     @app.post("/generate")
     async def generate(request: Request) -> Response:
         body = await read_json(request)
-        if sum(len(t) for t in _texts(body.get("text"))) > 20000:
+        texts = _texts(body.get("text"))
+        bound.check(texts, "text", single=isinstance(body.get("text"), str))
+        if sum(len(t) for t in texts) > OFF_LOOP_CHARS:
             call = await blocking(parse_generate, body)
         else:
             call = parse_generate(body)
@@ -52,18 +57,32 @@ def add_generate_routes(app: FastAPI, *, engine: Rollout, args: ServerArgs, metr
         except ValueError as exc:
             err = _engine_error(exc, ERROR_PARAMS)
             if body.get("text") is not None and err.param == "input_ids":
-                err.param = "text"
+                err.param, err.message = "text", "text" + err.message.removeprefix("input_ids")
             raise err from None
         decode = lambda t: engine.tokenizer.decode([t], skip_special_tokens=False)  # noqa: E731
         if not call.stream:
             outs = await es.outputs(request)
             metrics.finished(outs)
-            answer = as_response(call, outs, es.submission.prompt_index, decode)
-            for item in answer if isinstance(answer, list) else [answer]:
-                if "routed_experts" in item["meta_info"]:
-                    metrics.routing_bytes(call.fmt, len(item["meta_info"]["routed_experts"]))
-            return json_response(answer)
-        stream = GenerateStream(call, es, engine=engine, metrics=metrics, decode=decode)
+
+            def encode() -> tuple[bytes, list[int]]:
+                answer = as_response(call, outs, es.submission.prompt_index, decode)
+                items = answer if isinstance(answer, list) else [answer]
+                sizes = [len(i["meta_info"]["routed_experts"]) for i in items if "routed_experts" in i["meta_info"]]
+                if not isinstance(answer, list):
+                    return dumps_bytes(answer), sizes
+                # NOTE: one orjson call per item: a call holds the GIL for its whole length
+                return b"[" + b",".join(dumps_bytes(i) for i in items) + b"]", sizes
+
+            # NOTE: a large answer (n = 128 with top-20 logprobs and routing: ~57 MB) is built on a worker
+            # thread, so the loop keeps serving while it is encoded
+            large = len(outs) > 8 or sum(len(o.output_ids) * (1 + (len(o.output_top_logprobs[0])
+                                                                   if o.output_top_logprobs else 0))
+                                         for o in outs) > LARGE_ANSWER_ENTRIES
+            data, sizes = await blocking(encode) if large else encode()
+            for size in sizes:
+                metrics.routing_bytes(call.fmt, size)
+            return Response(data, media_type="application/json")
+        stream = GenerateStream(call, es, engine=engine, metrics=metrics, decode=decode, shutdown=shutdown)
         return SSEResponse(stream.events(), es.close)
 
     def parse_generate(body: dict) -> GenerateCall:

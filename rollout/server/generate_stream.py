@@ -32,8 +32,9 @@ class _Progress:
 
 class GenerateStream:
     def __init__(self, call: GenerateCall, es: EngineStream, *, engine: Any, metrics: Any,
-                 decode: Callable[[int], str]):
+                 decode: Callable[[int], str], shutdown: Any):
         self.call = call
+        self.shutdown = shutdown   # ShutdownState
         self.es = es
         self.engine = engine
         self.metrics = metrics
@@ -44,6 +45,7 @@ class GenerateStream:
         self.progress = {rid: _Progress() for rid in es.rids}
 
     async def events(self) -> AsyncIterator[Union[str, bytes]]:
+        ending = None   # the error event after the last chunk (the shutdown aborted a request)
         try:
             async for chunk in self.es.items(keepalive=True):
                 if chunk is None:
@@ -52,9 +54,13 @@ class GenerateStream:
                 obj = self._incremental(chunk) if self.call.incremental else self._cumulative(chunk)
                 if self.multi:
                     obj["index"] = self.index[chunk.rid]
+                if chunk.finished:
+                    ending = ending or self.shutdown.error_for(chunk.output)
                 yield sse(obj)
         except EngineDeadError as exc:
-            yield sse(error_body(str(exc), "server_error", code=503))
+            ending = error_body(str(exc), "server_error", code=503)
+        if ending is not None:
+            yield sse(ending)
         yield "data: [DONE]\n\n"
 
     def _final_meta(self, chunk: StreamChunk, *, with_routing: bool) -> dict:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hmac
 import json
+import logging
 from typing import Any, Callable, Optional
 
 from rollout.server.args import ServerArgs
@@ -16,6 +17,7 @@ WEIGHT_PATHS = frozenset({"/update_weights_from_disk", "/update_weights_from_ten
 ADMIN_PATHS = WEIGHT_PATHS | {"/pause_generation", "/continue_generation", "/flush_cache", "/debug/integrity",
                               "/release_memory_occupation", "/resume_memory_occupation"}
 PUBLIC_PATHS = frozenset({"/health"})
+logger = logging.getLogger("rollout.server")
 
 
 class BodyTooLarge(Exception):
@@ -61,6 +63,14 @@ class Guard:
 
         try:
             await self._handle(scope, receive, send_tracked, path)
+        except Exception as exc:  # noqa: BLE001 (the handlers' bugs: a JSON 500, the connection kept)
+            logger.error("internal error on %s", path, exc_info=exc)
+            if status_box[0]:
+                raise   # NOTE: the answer has begun: uvicorn closes the connection (nothing else can end it)
+            status_box[0] = 500
+            # NOTE: answered here, not re-raised: Starlette's ServerErrorMiddleware re-raises after its
+            # 500 and uvicorn then closes the keep-alive connection, failing the client's next request
+            await self._reply(send, 500, error_body(f"internal error: {type(exc).__name__}", "server_error", code=500))
         finally:
             self.metrics.request(path, status_box[0])
 

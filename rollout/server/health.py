@@ -34,6 +34,12 @@ class GenerateHealth:
             return 503, {"status": "error", "message": "the engine stopped"}
         if engine.paused_mode is not None:
             return 200, {"status": "ok", "paused": engine.paused_mode}
+        released = engine.released_memory
+        if released:
+            # NOTE: SGLang's probe cannot run on released memory either: it gets no step and answers 503
+            # after its timeout; here the same 503 at once, saying why
+            return 503, {"status": "error", "message": f"the server's memory is released ({', '.join(released)}): "
+                                                        f"no step runs until resume_memory_occupation"}
         start = engine.steps_done
         busy = engine.num_in_flight > 0
         probe = task = None

@@ -12,7 +12,9 @@ from starlette.responses import Response
 from rollout.output import RolloutOutput
 from rollout.server.completion_echo import CompletionEcho
 from rollout.server.engine_stream import EngineStream
-from rollout.server.responses import ApiError, SSEResponse, json_response, param_of, sse
+from rollout.frontend.api import EngineDeadError
+from rollout.server.responses import ApiError, SSEResponse, error_body, json_response, param_of, sse
+from rollout.server.text_bound import OFF_LOOP_CHARS, TextBound
 from rollout.server.routing_format import check_routing_format, encode_rows
 from rollout.stream_chunk import StreamChunk
 
@@ -44,11 +46,14 @@ def _get(body: dict, name: str, types: tuple, default: Any = None) -> Any:
 
 
 class OpenAIServing:
-    def __init__(self, engine: Any, model_name: str, metrics: Any, *, incremental_streaming: bool = False):
+    def __init__(self, engine: Any, model_name: str, metrics: Any, *, incremental_streaming: bool = False,
+                 shutdown: Any = None):
         self.engine = engine
+        self.shutdown = shutdown   # ShutdownState (the error event of streams the shutdown aborted)
         self.incremental_streaming = incremental_streaming
         self.model_name = model_name
         self.metrics = metrics
+        self.bound = TextBound(engine)
 
     def models(self) -> dict:
         return {"object": "list", "data": [{
@@ -158,6 +163,10 @@ class OpenAIServing:
         else:
             raise ApiError(400, "prompt must be a string, a list of strings, a list of token ids or a list of "
                                 "such lists", param="prompt")
+        if prompts is not None:
+            self.bound.check(prompts, "prompt", single=isinstance(prompt, str))
+            if sum(map(len, prompts)) > OFF_LOOP_CHARS:
+                input_ids, prompts = await self.bound.tokenize(prompts, "prompt"), None
         params, kwargs = self._common(body, default_max=16)
         logprobs = _get(body, "logprobs", (int,), None)
         stream = _get(body, "stream", (bool,), False)
@@ -245,6 +254,8 @@ class OpenAIServing:
         if fmt_obj not in (None, {"type": "text"}):
             raise ApiError(400, "response_format must be {'type': 'text'} (no constrained decoding)",
                            param="response_format")
+        # NOTE: the template only adds text: contents that cannot fit are refused before it renders them
+        self.bound.check(["".join(m["content"] for m in messages)], "messages", single=True)
         try:
             ids = await asyncio.to_thread(self.engine.tokenizer.apply_chat_template, messages, True, tools)
         except Exception as exc:  # noqa: BLE001 (template errors come from jinja)
@@ -318,26 +329,35 @@ class OpenAIServing:
                 for rid in es.rids:
                     yield sse({**meta, "object": chunk_obj,
                                "choices": [{"index": index[rid], **opening, "finish_reason": None}]})
-            async for chunk in es.items(keepalive=True):
-                if chunk is None:
-                    yield ": keep-alive\n\n"
-                    continue
-                choice = {"index": index[chunk.rid], **delta_of(chunk), "finish_reason": None}
-                if token_ids:
-                    choice["token_ids"] = list(chunk.output_ids)
-                if chunk.finished:
-                    choice["finish_reason"], choice["matched_stop"] = self._finish(chunk.output)
-                    finals.append(chunk.output)
-                obj = {**meta, "object": chunk_obj, "choices": [choice]}
-                ext = self._chunk_ext(chunk, fmt, incremental)
-                if ext is not None:
-                    obj["sglext"] = ext
-                yield sse(obj)
+            try:
+                async for chunk in es.items(keepalive=True):
+                    if chunk is None:
+                        yield ": keep-alive\n\n"
+                        continue
+                    choice = {"index": index[chunk.rid], **delta_of(chunk), "finish_reason": None}
+                    if token_ids:
+                        choice["token_ids"] = list(chunk.output_ids)
+                    if chunk.finished:
+                        choice["finish_reason"], choice["matched_stop"] = self._finish(chunk.output)
+                        finals.append(chunk.output)
+                    obj = {**meta, "object": chunk_obj, "choices": [choice]}
+                    ext = self._chunk_ext(chunk, fmt, incremental)
+                    if ext is not None:
+                        obj["sglext"] = ext
+                    yield sse(obj)
+            except EngineDeadError as exc:   # NOTE: the stream has begun: its end says why, as /generate's
+                yield sse(error_body(str(exc), "server_error", code=503))
+                yield "data: [DONE]\n\n"
+                return
             self.metrics.finished(finals)
             if include_usage:
                 finals.sort(key=lambda o: index[o.rid])
                 usage = self._usage(finals, es.submission.prompt_index)
                 yield sse({**meta, "object": chunk_obj, "choices": [], "usage": usage})
+            ending = next((e for e in map(self.shutdown.error_for, finals) if e is not None), None) \
+                if self.shutdown is not None else None
+            if ending is not None:
+                yield sse(ending)
             yield "data: [DONE]\n\n"
 
         return SSEResponse(events(), es.close)

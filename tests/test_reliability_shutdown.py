@@ -1,0 +1,175 @@
+"""rollout-serve's lifecycle: SIGTERM / SIGINT drain then abort with exact partials (streams end with an
+error event and [DONE]), exit 0 / 130, nothing left in the temp directory; kill -9 of the server or of
+an engine holding spilled weights leaves nothing a restart does not clean; a bad index.json keeps
+the old weights serving; memory comes back after huge answers. Each server gets a private TMPDIR,
+so "nothing left" is checked exactly."""
+import json
+import os
+import signal
+import threading
+import time
+
+import httpx
+import psutil
+import pytest
+
+from capture.codec import decode_routed_experts
+from health_prober import HealthProber
+from oracle import hf_router_topk, same_sets
+from rollout.config import DEFAULT_MODEL_PATH
+from server_proc import ServerProcess, wait_idle
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+ADMIN = "shutdown-admin"
+HEADERS = {"Authorization": f"Bearer {ADMIN}"}
+PROMPT = [11, 57, 203, 9, 88]
+LONG = {"temperature": 0.0, "max_new_tokens": 1900, "ignore_eos": True}
+
+
+def _server(tmp, *flags):
+    return ServerProcess(["--enable-return-routed-experts", "--dtype", "float32", "--max-running-requests", "8",
+                          "--admin-api-key", ADMIN, *flags], env={"TMPDIR": str(tmp)})
+
+
+def _left(tmp):
+    return sorted(os.listdir(tmp))
+
+
+def _shape(url):
+    info = httpx.get(url + "/model_info", headers=HEADERS).json()
+    return info["num_hidden_layers"], info["num_experts_per_tok"]
+
+
+def _sse(text):
+    return [line[6:] for line in text.splitlines() if line.startswith("data: ")]
+
+
+@pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 0), (signal.SIGINT, 130)])
+def test_signal_drains_then_aborts_with_exact_partials(tmp_path, sig, code):
+    srv = _server(tmp_path, "--shutdown-drain-s", "4").start()
+    proc = srv._server.proc
+    try:
+        url = srv.url
+        shape = _shape(url)
+        ref = httpx.post(url + "/generate", json={"input_ids": PROMPT, "sampling_params": {**LONG, "max_new_tokens": 24}},
+                         timeout=120).json()["output_ids"]
+        results = {}
+
+        def call(name, path, body, stream):
+            try:
+                with httpx.stream("POST", url + path, json=body, timeout=120) as r:
+                    results[name] = (r.status_code, r.read().decode())
+            except httpx.HTTPError as exc:
+                results[name] = ("lost", repr(exc))
+
+        gen = {"input_ids": PROMPT, "sampling_params": LONG, "return_routed_experts": True}
+        jobs = [(f"gen{i}", "/generate", gen, False) for i in range(3)]
+        jobs += [(f"stream{i}", "/generate", {**gen, "stream": True}, True) for i in range(2)]
+        jobs += [("chat", "/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                                                   "max_tokens": 1900, "stream": True, "ignore_eos": True}, True)]
+        jobs += [("short", "/generate", {"input_ids": PROMPT, "sampling_params": {**LONG, "max_new_tokens": 4}}, False)]
+        threads = [threading.Thread(target=call, args=j) for j in jobs]
+        for t in threads[:-1]:
+            t.start()
+        time.sleep(2.0)
+        threads[-1].start()                       # arrives just before the signal: finishes in the drain
+        time.sleep(0.3)
+        # NOTE: SIGINT to the whole group, as a terminal's Ctrl-C: the engine must outlive it
+        os.killpg(proc.pid, sig) if sig == signal.SIGINT else proc.send_signal(sig)
+        for t in threads:
+            t.join(120)
+        assert proc.wait(60) == code, srv.log()[-3000:]
+        log = srv.log()
+    finally:
+        srv.stop()
+    bad = {k: (v[0], v[1][-300:]) for k, v in results.items() if v[0] != 200}
+    assert len(results) == len(jobs) and not bad, (bad, log[-3000:])
+    short = json.loads(results["short"][1])
+    assert short["meta_info"]["finish_reason"]["type"] == "length" and short["output_ids"] == ref[:4]
+    for i in range(3):
+        out = json.loads(results[f"gen{i}"][1])
+        meta = out["meta_info"]
+        assert meta["finish_reason"]["type"] == "abort" and 0 < len(out["output_ids"]) < 1900, meta["finish_reason"]
+        n = min(len(ref), len(out["output_ids"]))
+        assert out["output_ids"][:n] == ref[:n]
+        rows = decode_routed_experts(meta["routed_experts"], "int32", num_layers=shape[0], top_k=shape[1])
+        seq = PROMPT + out["output_ids"]
+        assert rows.shape[0] == len(seq) - 1
+        if i == 0:
+            assert same_sets(rows, hf_router_topk(DEFAULT_MODEL_PATH, seq[:-1], shape[1], shape[0]))
+    for name in ("stream0", "stream1", "chat"):
+        events = _sse(results[name][1])
+        assert events[-1] == "[DONE]", events[-3:]
+        err = json.loads(events[-2])["error"]
+        assert err["code"] == 503 and "shutting down" in err["message"], err
+        last = json.loads(events[-3])
+        reason = last["meta_info"]["finish_reason"]["type"] if name != "chat" else last["choices"][0]["finish_reason"]
+        assert reason == "abort", last
+    assert not [n for n in _left(tmp_path) if n.startswith("rollout-")], _left(tmp_path)
+
+
+def test_kill9_leaves_nothing_a_restart_does_not_clean(tmp_path):
+    # an engine OOM-killed while its weights are released: the server exits 1 and removes them
+    srv = _server(tmp_path).start()
+    try:
+        r = httpx.post(srv.url + "/release_memory_occupation", json={}, headers=HEADERS, timeout=60)
+        assert r.status_code == 200, r.text
+        assert any(n.startswith("rollout-weights-") for n in _left(tmp_path)), _left(tmp_path)
+        engine = psutil.Process(srv._server.proc.pid).children()[0]
+        engine.kill()
+        assert srv._server.proc.wait(60) == 1, srv.log()[-2000:]
+    finally:
+        srv.stop()
+    assert not [n for n in _left(tmp_path) if n.startswith("rollout-")], _left(tmp_path)
+    # kill -9 of the whole server (its engines too) while released: its directories stay ...
+    srv = _server(tmp_path).start()
+    try:
+        assert httpx.post(srv.url + "/release_memory_occupation", json={}, headers=HEADERS,
+                          timeout=60).status_code == 200
+        srv._server.kill()
+    finally:
+        srv.stop()
+    left = [n for n in _left(tmp_path) if n.startswith("rollout-")]
+    assert any(n.startswith("rollout-weights-") for n in left) and len(left) == 2, left
+    # ... until the next server starts; SIGTERM then leaves nothing
+    with _server(tmp_path) as srv:
+        assert not set(left) & set(_left(tmp_path)), _left(tmp_path)
+        assert httpx.get(srv.url + "/health_generate", timeout=60).status_code == 200
+        proc = srv._server.proc
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+    assert not [n for n in _left(tmp_path) if n.startswith("rollout-")], _left(tmp_path)
+
+
+def test_bad_index_keeps_weights_and_memory_returns_after_huge_answers(tmp_path):
+    ckpts = tmp_path / "ckpts"
+    ckpts.mkdir()
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    with _server(tmp, "--allowed-weight-dirs", str(ckpts)) as srv, \
+            httpx.Client(base_url=srv.url, headers=HEADERS, timeout=300) as c:
+        greedy = {"input_ids": PROMPT, "sampling_params": {**LONG, "max_new_tokens": 8}}
+        before = c.post("/generate", json=greedy).json()["output_ids"]
+        for i, bad in enumerate([[], "model.safetensors", None]):
+            d = ckpts / f"bad{i}"
+            d.mkdir()
+            (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": bad}))
+            r = c.post("/update_weights_from_disk", json={"model_path": str(d)})
+            assert r.status_code == 400 and r.json()["success"] is False, r.text
+            assert "weight_map" in r.json()["message"]
+            assert c.post("/generate", json=greedy).json()["output_ids"] == before
+        big = {"input_ids": PROMPT, "return_logprob": True, "top_logprobs_num": 20, "return_routed_experts": True,
+               "sampling_params": {"max_new_tokens": 24, "n": 16, "temperature": 1.0, "ignore_eos": True}}
+        rss = psutil.Process(srv._server.proc.pid)
+        c.post("/generate", json=big)             # warm: allocator pools, first-use imports
+        base = rss.memory_info().rss
+        with HealthProber(srv.url) as prober:
+            for _ in range(2):
+                r = c.post("/generate", json=big)
+                assert r.status_code == 200 and len(r.json()) == 16
+        del r
+        wait_idle(c, timeout=120)
+        time.sleep(1.0)
+        grown = rss.memory_info().rss - base
+        assert grown < 300 * 2**20, grown / 2**20
+        assert not prober.failures and prober.worst_s < 3.0, prober.worst_s
