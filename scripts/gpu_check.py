@@ -36,7 +36,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 STEPS = ("header", "pytest", "bench", "killed", "total")
 # NOTE: modules the project needs at run time that the device image lacks (carried as wheels)
-CARRIED_MODULES = ("msgspec", "zmq", "fastapi", "starlette", "pydantic", "uvicorn", "orjson")
+CARRIED_MODULES = ("msgspec", "zmq", "fastapi", "starlette", "pydantic", "uvicorn", "orjson", "re2")
 
 
 def parse_args() -> argparse.Namespace:
