@@ -43,9 +43,8 @@ def _mixed(engine, target, seed: int):
     return out
 
 
-# NOTE: one softmax-router and one MLA + grouped-routing arch by default (each ~50 s on 2 cores);
-# the others under slow
-@pytest.mark.parametrize("arch", [a if a in ("qwen3_moe", "deepseek_v3") else pytest.param(a, marks=pytest.mark.slow)
+# NOTE: one architecture by default (~50 s on 2 cores); the others, and dp 2, under slow
+@pytest.mark.parametrize("arch", [a if a == "qwen3_moe" else pytest.param(a, marks=pytest.mark.slow)
                                   for a in ARCHS + GROUPED_ARCHS])
 def test_request_is_batch_invariant(tiny_checkpoint, arch):
     path = tiny_checkpoint(arch)
@@ -75,7 +74,8 @@ def test_request_is_batch_invariant(tiny_checkpoint, arch):
 BUCKETS = dict(decode_graph_batch_sizes=(1, 2, 4), prefill_graph_token_sizes=(16, 32), chunked_prefill_size=48)
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", pytest.param("deepseek_v3", marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3"])
 def test_dp_ranks_static_runners_and_streaming_agree(tiny_checkpoint, arch):
     """dp 2 with expert parallelism, static-bucket runners, streamed: the same bits as one eager
     rank holding every expert (the ranks' expert terms are added per top-k slot)."""
