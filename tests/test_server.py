@@ -521,7 +521,7 @@ def test_server_args_cli():
     flat = a.redacted()
     assert set(flat) == {
         "model_path", "tokenizer_path", "dtype", "device", "dp_size", "cpu_threads", "cpu_reserve",
-        "cpu_affinity", "enable_return_routed_experts",
+        "cpu_affinity", "enable_return_routed_experts", "enable_deterministic_inference",
         "max_running_requests", "chunked_prefill_size", "max_total_tokens", "kv_cache_bytes", "context_length",
         "disable_prefix_caching", "decode_graph_batch_sizes", "prefill_graph_token_sizes", "seed", "weight_version",
         "stream_interval", "max_capture_buffer_rows", "enable_profile_graph_capture", "profile_graph_capture_dir",
