@@ -166,6 +166,8 @@ ENGINE_FLAGS_BEFORE = {
                             "torch on CPU)"),
     "--enable-deterministic-inference": (False, 0, None, None, "batch-invariant kernels: a request's tokens, "
                                          "logprobs and routing do not depend on the batch"),
+    "--allow-auto-truncate": (False, 0, None, None, "let prompt + max_new_tokens exceed the context length "
+                              "(generation stops at it) instead of a 400"),
 }
 CLI_OFF = {"graph_variant_axes"}   # test-only, set from Python
 

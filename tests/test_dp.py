@@ -305,7 +305,7 @@ def test_server_with_a_dead_rank_fails_health_and_exits_nonzero(qwen3):
 
         def one(rank: int) -> None:
             body = {"input_ids": [5, 6, 7], "routed_dp_rank": rank, "return_routed_experts": True,
-                    "sampling_params": dict(GREEDY, max_new_tokens=3000)}
+                    "sampling_params": dict(GREEDY, max_new_tokens=2000)}
             r = httpx.post(srv.url + "/generate", json=body, timeout=60)
             results.append((rank, r.status_code, r.json()))
 

@@ -55,7 +55,7 @@ def test_engine_killed_mid_load_fails_every_waiter_within_5s(tiny_checkpoint):
         got.append(item)
         if len(got) == 8:
             done.set()
-    engine.submit(sink, input_ids=prompts(1, [5] * 8), sampling_params={**GREEDY, "max_new_tokens": 3000})
+    engine.submit(sink, input_ids=prompts(1, [5] * 8), sampling_params={**GREEDY, "max_new_tokens": 500})
     while engine.stats()["generated_tokens"] < 16:
         time.sleep(0.01)
     os.kill(pid, signal.SIGKILL)
