@@ -276,8 +276,11 @@ def test_server_dying_after_its_rollouts_does_not_stop_the_weight_sync(tmp_path,
     assert "at" in killed
     _check_steps(result, cfg)
     assert result.history[1]["retried_samples"] == 0         # the rollouts were all done
-    assert [r["servers_alive"] for r in result.history] == [2, 1, 1]
-    assert result.client_loads[servers.urls[0]]["alive"] is False
+    # NOTE: the supervisor restarts the killed server; whether it answers /health again before the
+    # last step depends on the host's speed (as in the mid-rollout kill above)
+    alive = [r["servers_alive"] for r in result.history]
+    assert alive[:2] == [2, 1] and alive[2] in (1, 2), alive
+    assert result.client_loads[servers.urls[0]]["alive"] is (alive[2] == 2)
 
 
 @pytest.mark.slow
