@@ -147,6 +147,8 @@ class EngineControl:
         try:
             count = self.weight_receiver.receive(self.model, names, dtypes, shapes, load_format, refuse=refuse)
         finally:
+            self.stats["weight_update_buckets"] = (self.stats.get("weight_update_buckets", 0)
+                                                   + self.weight_receiver.last_buckets)
             if self.weights_inconsistent:
                 self.abort_all(f"aborted: the weights are half-updated ({self.weights_inconsistent})")
             flushed = self.cache.flush()

@@ -78,6 +78,7 @@ class WeightReceiver:
         # (param name, expert, half) pieces a failed update left half-written; empty = consistent
         self.inconsistent: set[tuple] = set()
         self.inconsistent_reason = ""
+        self.last_buckets = 0   # how many buckets the latest receive() took
 
     # ---- the group -----------------------------------------------------------------------------
     def init_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
@@ -148,6 +149,7 @@ class WeightReceiver:
             groups = [range(len(names))]   # NOTE: one broadcast of the whole bucket: it cannot be split
         else:
             groups = list(buckets(nbytes, self.bucket_bytes))
+        self.last_buckets = len(groups)
         for idx in groups:
             try:
                 received = self._recv(idx, torch_dtypes, shapes, nbytes, device, load_format)
