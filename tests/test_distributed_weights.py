@@ -6,15 +6,21 @@ Qwen2-MoE models with different random weights; after an update the greedy outpu
 transformers' for B.
 """
 import datetime
+import os
 import socket
+import subprocess
+import sys
 import threading
+import time
 
+import httpx
 import pytest
 import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
 
 from oracle import hf_greedy
+from server_proc import ROOT, ServerProcess
 from rollout import Rollout
 from rollout.config import DEFAULT_MODEL_PATH, EngineConfig
 from rollout.core.weight_receiver import buckets
@@ -150,3 +156,73 @@ def test_dp2_every_engine_process_receives(ckpts):
         trainer.close()
         r.check_integrity()
 
+
+
+def _dying_trainer(port: str, weights_file: str) -> None:
+    """Joins as rank 0, broadcasts the first half of the tensors (sorted names), then dies."""
+    tensors = load_file(weights_file)
+    names = sorted(tensors)
+    pg = init_custom_process_group("gloo", f"tcp://127.0.0.1:{port}", 2, 0, "dying",
+                                   datetime.timedelta(seconds=60))
+    for n in names[: len(names) // 2]:
+        dist.broadcast(tensors[n].contiguous(), src=0, group=pg)
+    time.sleep(3.0)   # NOTE: lets the engine copy the buckets it got before the connection drops
+    os._exit(3)
+
+
+def test_trainer_dying_mid_broadcast_leaves_no_half_updated_weights_served(ckpts, tmp_path):
+    b = ckpts["b_tensors"]
+    names = sorted(b)
+    meta = {"names": names, "dtypes": [str(b[n].dtype).removeprefix("torch.") for n in names],
+            "shapes": [list(b[n].shape) for n in names]}
+    body = {"input_ids": PROMPT, "sampling_params": GREEDY}
+    with ServerProcess(["--model-path", str(ckpts["a"]), "--tokenizer-path", DEFAULT_MODEL_PATH, "--dtype", "float32",
+                        "--weight-update-bucket-bytes", str(BUCKET), "--allowed-weight-dirs", str(ckpts["a"])]) as srv, \
+            httpx.Client(base_url=srv.url, timeout=120) as http:
+        port = free_port()
+        env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{ROOT / 'tests'}")
+        trainer = subprocess.Popen([sys.executable, __file__, "dying", str(port), f"{ckpts['b']}/model.safetensors"],
+                                   env=env)
+        r = http.post("/init_weights_update_group", json={"master_address": "127.0.0.1", "master_port": port,
+                                                          "rank_offset": 1, "world_size": 2, "group_name": "dying",
+                                                          "backend": "gloo", "timeout_s": 60})
+        assert r.status_code == 200, r.text
+        r = http.post("/update_weights_from_distributed", json={**meta, "weight_version": "v-half"})
+        assert trainer.wait(timeout=60) == 3
+        assert r.status_code == 400 and not r.json()["success"], r.text
+        assert "receiving tensors failed" in r.json()["message"] and "half-updated" in r.json()["message"], r.text
+        # nothing runs on the mixed weights: generation is refused with 503, the server stays up
+        r = http.post("/generate", json=body)
+        assert r.status_code == 503 and "half-updated" in r.json()["error"]["message"], r.text
+        assert http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2}).status_code == 503
+        assert http.get("/health").status_code == 200
+        assert http.get("/health_generate").status_code == 503
+        assert http.get("/get_weight_version").json()["weight_version"] == "default"
+        # the broken group is gone; a new one and a full update make the weights whole again
+        assert http.post("/destroy_weights_update_group", json={}).status_code == 400
+        port = free_port()
+        box = {}
+        t = threading.Thread(target=lambda: box.update(r=http.post("/init_weights_update_group", json={
+            "master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2,
+            "group_name": "again", "backend": "gloo"})))
+        t.start()
+        pg = init_custom_process_group("gloo", f"tcp://127.0.0.1:{port}", 2, 0, "again", datetime.timedelta(seconds=60))
+        t.join()
+        assert box["r"].status_code == 200, box["r"].text
+        t = threading.Thread(target=lambda: box.update(r=http.post("/update_weights_from_distributed",
+                                                                   json={**meta, "weight_version": "v-b"})))
+        t.start()
+        for n in names:
+            dist.broadcast(b[n].contiguous(), src=0, group=pg)
+        t.join()
+        assert box["r"].status_code == 200 and box["r"].json()["weight_version"] == "v-b", box["r"].text
+        out = http.post("/generate", json=body).json()
+        assert out["output_ids"] == ckpts["want_b"] and out["meta_info"]["weight_version"] == "v-b"
+        assert http.get("/health_generate").status_code == 200
+        assert http.post("/destroy_weights_update_group", json={"group_name": "again"}).status_code == 200
+        dist.destroy_process_group(pg)
+        assert srv.alive, srv.log()
+
+
+if __name__ == "__main__" and len(sys.argv) > 1 and sys.argv[1] == "dying":
+    _dying_trainer(*sys.argv[2:4])
