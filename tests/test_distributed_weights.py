@@ -24,6 +24,7 @@ from server_proc import ROOT, ServerProcess
 from rollout import Rollout
 from rollout.config import DEFAULT_MODEL_PATH, EngineConfig
 from rollout.core.weight_receiver import buckets
+from rollout.frontend.engine_client import WeightsInconsistentError
 from trainer_bridge.weight_sync import init_custom_process_group
 
 pytestmark = pytest.mark.timeout(300)
@@ -138,6 +139,20 @@ def test_bucketed_update_into_the_engine_matches_transformers(ckpts):
         res = trainer.push({n: a[n] for n in sorted(a)}, version="v-a", load_format="flattened_bucket")
         assert res == len(a), res
         assert greedy(r).output_ids == ckpts["want_a"]
+        # NaN in the first tensor: refused before anything changed; in the last one (earlier
+        # buckets already copied): the weights are half-updated and no request runs
+        for where, half in ((0, False), (-1, True)):
+            bad = {n: b[n].clone() for n in names}
+            bad[names[where]].view(-1)[0] = float("nan")
+            res = trainer.push(bad, version="v-nan")
+            assert isinstance(res, ValueError) and "NaN" in str(res), res
+            assert bool(r.weights_inconsistent) == half and ("half-updated" in str(res)) == half, res
+        with pytest.raises(WeightsInconsistentError, match="half-updated"):
+            greedy(r)
+        assert trainer.push({n: a[n] for n in sorted(a)}, version="v-a2") == len(a)
+        assert r.weights_inconsistent == ""
+        out = greedy(r)
+        assert out.output_ids == ckpts["want_a"] and out.weight_version == "v-a2"
         trainer.close()
         r.check_integrity()
 

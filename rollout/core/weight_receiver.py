@@ -157,21 +157,9 @@ class WeightReceiver:
                 self._destroy()
                 reason = f"receiving tensors failed ({type(exc).__name__}: {exc})"
                 raise ValueError(self._fail(reason, written, pieces)) from None
-            if problem is not None:
-                continue
-            bad = [names[i] for i, t in zip(idx, received) if names[i] in targets and not bool(torch.isfinite(t).all())]
-            if bad:
-                problem = f"update_weights_from_distributed: tensor {bad[0]!r} holds NaN or infinite values"
-                if written:
-                    self._mark(problem, pieces)
-                continue
-            with torch.no_grad():
-                for i, value in zip(idx, received):
-                    t = targets.get(names[i])
-                    if t is not None:
-                        copy_into(model, params, t, source_view(value, t))
-                        written |= pieces[names[i]]
-            del received
+            if problem is None:
+                problem = self._install(model, params, targets, pieces, [names[i] for i in idx], received, written)
+            del received   # NOTE: before the next bucket is allocated, so only one is ever held
         if problem is not None:
             if self.inconsistent and written:
                 raise ValueError(problem + "\n(the weights are now half-updated: generation is refused until an "
@@ -179,6 +167,25 @@ class WeightReceiver:
             raise ValueError(problem + "\n(the tensors were received and dropped; old weights keep serving)")
         self._rewritten(written)
         return sum(resolve(model, n) is not None for n in names)
+
+    def _install(self, model: torch.nn.Module, params: dict, targets: dict, pieces: dict, names: list[str],
+                 received: list[torch.Tensor], written: set) -> Optional[str]:
+        """Copies one received bucket into the parameters (all of it, or nothing when a tensor is
+        not finite: then the problem, and the weights marked inconsistent if earlier buckets were
+        copied)."""
+        for name, value in zip(names, received):
+            if name in targets and not bool(torch.isfinite(value).all()):
+                problem = f"update_weights_from_distributed: tensor {name!r} holds NaN or infinite values"
+                if written:
+                    self._mark(problem, pieces)
+                return problem
+        with torch.no_grad():
+            for name, value in zip(names, received):
+                t = targets.get(name)
+                if t is not None:
+                    copy_into(model, params, t, source_view(value, t))
+                    written |= pieces[name]
+        return None
 
     def _recv(self, idx: range, dtypes: list, shapes: list, nbytes: list[int], device: torch.device,
               load_format: Optional[str]) -> list[torch.Tensor]:
