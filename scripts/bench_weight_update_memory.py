@@ -51,7 +51,7 @@ def build_checkpoint(path: Path, layers: int, seed: int) -> dict[str, torch.Tens
     cfg = Qwen3MoeConfig(vocab_size=32000, hidden_size=1024, intermediate_size=2048, moe_intermediate_size=256,
                          num_hidden_layers=layers, num_attention_heads=16, num_key_value_heads=4, head_dim=64,
                          num_experts=64, num_experts_per_tok=8, max_position_embeddings=2048,
-                         tie_word_embeddings=False, dtype="bfloat16")
+                         tie_word_embeddings=False, dtype="bfloat16", architectures=["Qwen3MoeForCausalLM"])
     with torch.device("meta"):
         shapes = {n: tuple(p.shape) for n, p in Qwen3MoeForCausalLM(cfg).named_parameters()}
     gen = torch.Generator().manual_seed(seed)
@@ -91,7 +91,7 @@ def status_kb(pid: int, key: str) -> int:
     return 0
 
 
-def measure(url: str, server_pid: int, tensors: dict[str, torch.Tensor], timeout_s: float) -> dict:
+def measure(url: str, server_pid: int, tensors: dict[str, torch.Tensor], timeout_s: float, repeats: int) -> list:
     pids = pids_of(server_pid)
     port = free_port()
     box: dict = {}
@@ -103,6 +103,13 @@ def measure(url: str, server_pid: int, tensors: dict[str, torch.Tensor], timeout
                                    datetime.timedelta(seconds=timeout_s))
     t.join()
     assert box["init"].status_code == 200, box["init"].text
+    rows = [one_update(url, pids, pg, tensors, timeout_s, k) for k in range(repeats)]
+    httpx.post(url + "/destroy_weights_update_group", json={}, timeout=60)
+    dist.destroy_process_group(pg)
+    return rows
+
+
+def one_update(url: str, pids: list[int], pg, tensors: dict[str, torch.Tensor], timeout_s: float, k: int) -> dict:
     time.sleep(1.0)
     before = {p: status_kb(p, "VmRSS") for p in pids}
     for p in pids:
@@ -121,7 +128,8 @@ def measure(url: str, server_pid: int, tensors: dict[str, torch.Tensor], timeout
     sampler.start()
     names = list(tensors)
     body = {"names": names, "dtypes": ["bfloat16"] * len(names), "shapes": [list(tensors[n].shape) for n in names],
-            "weight_version": "bench"}
+            "weight_version": f"bench-{k}"}
+    box: dict = {}
     t = threading.Thread(target=lambda: box.update(update=httpx.post(url + "/update_weights_from_distributed",
                                                                      json=body, timeout=timeout_s)))
     t0 = time.perf_counter()
@@ -134,9 +142,7 @@ def measure(url: str, server_pid: int, tensors: dict[str, torch.Tensor], timeout
     sampler.join()
     assert box["update"].status_code == 200, box["update"].text
     hwm = {p: status_kb(p, "VmHWM") for p in pids}
-    httpx.post(url + "/destroy_weights_update_group", json={}, timeout=60)
-    dist.destroy_process_group(pg)
-    return {"pids": len(pids), "rss_before_mib": sum(before.values()) / 1024,
+    return {"update": k + 1, "pids": len(pids), "rss_before_mib": sum(before.values()) / 1024,
             "peak_extra_hwm_mib": sum(hwm[p] - before[p] for p in pids) / 1024,
             "per_process_extra_mib": [(hwm[p] - before[p]) / 1024 for p in pids],
             "peak_extra_sampled_mib": (peak_sum[0] - sum(before.values())) / 1024, "seconds": seconds}
@@ -149,6 +155,7 @@ def main() -> None:
                                                                     "servers without the flag)")
     ap.add_argument("--code-root", default=str(ROOT), help="checkout the server runs from")
     ap.add_argument("--label", default="")
+    ap.add_argument("--repeats", type=int, default=2, help="updates in a row (the first pays one-time costs)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--timeout-s", type=float, default=900.0)
     args = ap.parse_args()
@@ -178,23 +185,27 @@ def main() -> None:
                 if proc.poll() is not None or time.monotonic() > deadline:
                     raise RuntimeError("server did not start:\n" + (Path(tmp) / "server.log").read_text()[-3000:])
                 time.sleep(0.5)
-            res = measure(url, proc.pid, tensors, args.timeout_s)
+            rows = measure(url, proc.pid, tensors, args.timeout_s, args.repeats)
             out = httpx.post(url + "/generate", json={"input_ids": [1, 2, 3], "sampling_params": {
                 "temperature": 0, "max_new_tokens": 2}}, timeout=300)
-            assert out.status_code == 200 and out.json()["meta_info"]["weight_version"] == "bench", out.text
+            assert out.status_code == 200 and out.json()["meta_info"]["weight_version"] == f"bench-{args.repeats - 1}", \
+                out.text
         finally:
             proc.terminate()
             proc.wait(timeout=60)
             log.close()
-    res.update(label=args.label, model_mib=model_mib, bucket_bytes=args.bucket_bytes, layers=args.layers)
-    print(f"| {'label':<10} | model MiB | bucket MiB | peak extra MiB (VmHWM sum) | peak extra MiB (sampled) "
-          f"| extra / model | seconds |")
-    print("|---|---|---|---|---|---|---|")
     bucket = f"{args.bucket_bytes / MiB:.0f}" if args.bucket_bytes else "-"
-    print(f"| {args.label:<10} | {model_mib:.0f} | {bucket} | {res['peak_extra_hwm_mib']:.0f} | "
-          f"{res['peak_extra_sampled_mib']:.0f} | {res['peak_extra_hwm_mib'] / model_mib:.2f} | {res['seconds']:.1f} |")
+    print("| label | model MiB | bucket MiB | update | server RSS before MiB | peak extra MiB (VmHWM, summed over "
+          "processes) | front end / engine extra MiB | peak extra MiB (sampled) | extra / model | seconds |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        r.update(label=args.label, model_mib=model_mib, bucket_bytes=args.bucket_bytes, layers=args.layers)
+        split = " / ".join(f"{x:.0f}" for x in r["per_process_extra_mib"])
+        print(f"| {args.label} | {model_mib:.0f} | {bucket} | {r['update']} | {r['rss_before_mib']:.0f} | "
+              f"{r['peak_extra_hwm_mib']:.0f} | {split} | {r['peak_extra_sampled_mib']:.0f} | "
+              f"{r['peak_extra_hwm_mib'] / model_mib:.2f} | {r['seconds']:.1f} |")
     if args.json:
-        Path(args.json).write_text(json.dumps(res, indent=1))
+        Path(args.json).write_text(json.dumps(rows, indent=1))
 
 
 if __name__ == "__main__":
