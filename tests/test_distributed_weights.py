@@ -173,6 +173,32 @@ def test_dp2_every_engine_process_receives(ckpts):
 
 
 
+@pytest.mark.slow
+def test_trainer_sync_numbers_every_engine_process_of_every_server(ckpts):
+    """DistributedSync to a dp 1 and a dp 2 server: ranks 1 | 2, 3 of a world of 4, all updated."""
+    import asyncio
+
+    from trainer_bridge.client import RolloutClient
+    from trainer_bridge.weight_sync import make_weight_sync
+
+    common = ["--model-path", str(ckpts["a"]), "--tokenizer-path", DEFAULT_MODEL_PATH, "--dtype", "float32",
+              "--weight-update-bucket-bytes", str(BUCKET), "--cpu-threads", "1"]
+    with ServerProcess(common) as one, ServerProcess([*common, "--dp-size", "2"]) as two:
+        async def go():
+            async with RolloutClient([one.url, two.url]) as c:
+                sync = make_weight_sync("distributed", c)
+                try:
+                    await sync.push(dict(sorted(ckpts["b_tensors"].items())), "v-b")
+                finally:
+                    await sync.close()
+        asyncio.run(go())
+        for url, ranks in ((one.url, (None,)), (two.url, (0, 1))):
+            for rank in ranks:
+                out = httpx.post(url + "/generate", json={"input_ids": PROMPT, "sampling_params": GREEDY,
+                                                          "routed_dp_rank": rank}, timeout=120).json()
+                assert out["output_ids"] == ckpts["want_b"] and out["meta_info"]["weight_version"] == "v-b", (url, rank)
+
+
 def _dying_trainer(port: str, weights_file: str) -> None:
     """Joins as rank 0, broadcasts the first half of the tensors (sorted names), then dies."""
     tensors = load_file(weights_file)
