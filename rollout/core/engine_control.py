@@ -98,12 +98,18 @@ class EngineControl:
         count = load_state_dict_from_tensors(self.model, staged)
         if self._weight_receiver is not None:
             self._weight_receiver.rewritten(self.model, staged)
+        self._flush_for_new_weights()
+        self._updated(weight_version)
+        return count
+
+    def _flush_for_new_weights(self) -> None:
         flushed = self.cache.flush()
         assert flushed, "prefix cache still locked with no running request"
+
+    def _updated(self, weight_version: Optional[str]) -> None:
         if weight_version is not None:
             self.weight_version = weight_version
         self.stats["weight_updates"] = self.stats.get("weight_updates", 0) + 1
-        return count
 
     # ---- the weight-update group (rollout/core/weight_receiver.py) -------------------------------
     cfg: Any
@@ -151,11 +157,8 @@ class EngineControl:
                                                    + self.weight_receiver.last_buckets)
             if self.weights_inconsistent:
                 self.abort_all(f"aborted: the weights are half-updated ({self.weights_inconsistent})")
-            flushed = self.cache.flush()
-            assert flushed, "prefix cache still locked with no running request"
-        if weight_version is not None:
-            self.weight_version = weight_version
-        self.stats["weight_updates"] = self.stats.get("weight_updates", 0) + 1
+            self._flush_for_new_weights()
+        self._updated(weight_version)
         return count
 
     _memory_saver: Any = None
