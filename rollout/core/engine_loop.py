@@ -191,6 +191,9 @@ class EngineLoop:
         if isinstance(msg, AddReqs):
             for spec in msg.reqs:
                 self.core.add_request(req_from_spec(spec))
+                if self.core.weights_inconsistent:
+                    # NOTE: sent before the front end learnt of the failed update: never run
+                    self.core.abort(spec.uid, f"aborted: the weights are half-updated ({self.core.weights_inconsistent})")
         elif isinstance(msg, AbortReqs):
             for uid in msg.uids:
                 self.core.abort(uid, msg.message)

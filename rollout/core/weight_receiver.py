@@ -125,6 +125,7 @@ class WeightReceiver:
                 load_format: Optional[str], refuse: Optional[str] = None) -> int:
         """Receives one update's broadcasts and copies them into model's parameters, bucket by
         bucket; returns the tensors accepted (counted over the model, as the other paths do)."""
+        self.last_buckets = 0
         if self.group is None:
             raise ValueError("no weights update group: call /init_weights_update_group first")
         if load_format not in LOAD_FORMATS:

@@ -114,6 +114,7 @@ class WeightControl:
         return self._builder.weights_inconsistent
 
     def _refresh_consistency(self) -> None:
-        self._builder.weights_inconsistent = "; ".join(
-            f"rank {r}: {why}" if len(reasons) > 1 else why
-            for reasons in [self._call("weights_inconsistent")] for r, why in enumerate(reasons) if why)
+        reasons = self._call("weights_inconsistent")   # one per DP rank, "" where consistent
+        if len(reasons) > 1:
+            reasons = [f"DP rank {r}: {why}" for r, why in enumerate(reasons) if why]
+        self._builder.weights_inconsistent = "; ".join(why for why in reasons if why)
