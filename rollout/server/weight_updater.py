@@ -258,6 +258,3 @@ class WeightUpdater:
         logger.info("weights updated over torch.distributed: %d tensors, weight_version=%s", count, version)
         return {"success": True, "message": f"updated {count} tensors from distributed; prefix cache flushed",
                 "num_tensors": count, "weight_version": version}
-
-    def shutdown(self) -> None:
-        pass   # NOTE: the weights update group lives in the engine processes, which close it
