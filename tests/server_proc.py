@@ -104,7 +104,7 @@ def trainer_main(url: str, admin_key: str, weights_file: str, out_path: str) -> 
     import torch.distributed as dist
     from safetensors.torch import load_file
 
-    from rollout.server.weight_updater import init_custom_process_group
+    from trainer_bridge.weight_sync import init_custom_process_group
 
     tensors = load_file(weights_file)
     headers = {"Authorization": f"Bearer {admin_key}"}

@@ -168,6 +168,9 @@ ENGINE_FLAGS_BEFORE = {
                                          "logprobs and routing do not depend on the batch"),
     "--allow-auto-truncate": (False, 0, None, None, "let prompt + max_new_tokens exceed the context length "
                               "(generation stops at it) instead of a 400"),
+    # added since: the engine processes receive distributed weight updates themselves, in buckets
+    "--weight-update-bucket-bytes": (512 * 2**20, None, int, None, "distributed weight updates: bytes received "
+                                     "per bucket before copying into the weights (default 512 MiB)"),
 }
 CLI_OFF = {"graph_variant_axes"}   # test-only, set from Python
 

@@ -194,7 +194,7 @@ def test_areal_weight_sync_shapes(client):
     # ainit_weights_update_group: master_port as a STRING
     import torch.distributed as dist
 
-    from rollout.server.weight_updater import init_custom_process_group
+    from trainer_bridge.weight_sync import init_custom_process_group
 
     port = free_port()
     answer = {}

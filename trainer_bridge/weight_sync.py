@@ -10,10 +10,13 @@ Three ways, one interface (``await sync.push(named_tensors, version)``):
                  (``application/octet-stream``, ``?weight_version=``) to every server.
 ``distributed``  a torch.distributed group of its own (TCP rendezvous at ``TRAIN_WEIGHT_SYNC_ADDR``:
                  ``TRAIN_WEIGHT_SYNC_PORT`` when set, else 127.0.0.1 and a free port; gloo on CPU,
-                 NCCL on GPU): the trainer is rank 0, server ``i`` rank ``i + 1``. ``POST
-                 /update_weights_from_distributed`` (names, dtypes, shapes) goes to every server
-                 while rank 0 broadcasts each tensor, in ``names`` order. The group is rebuilt when
-                 the set of live servers changes (a dead member would hang the broadcast).
+                 NCCL on GPU): the trainer is rank 0, then every engine process of every server
+                 (server ``i``'s DP ranks take the next ``dp_size`` ranks, as slime numbers an
+                 SGLang server's TP workers). ``POST /update_weights_from_distributed`` (names,
+                 dtypes, shapes) goes to every server while rank 0 broadcasts each tensor, in
+                 ``names`` order; each engine process receives them into its own weights, bucket by
+                 bucket. The group is rebuilt when the set of live servers changes (a dead member
+                 would hang the broadcast).
 
 Tensors are HF-named (transformers' in-memory names such as ``mlp.experts.gate_up_proj`` are
 accepted by the servers' loader). Each server answers with its new ``weight_version``, which the
@@ -234,14 +237,18 @@ class DistributedSync(WeightSync):
         self._generation += 1
         self._name = f"weight-sync-{id(self):x}-{self._generation}"
         port = self.master_port or _free_port()
-        world = len(urls) + 1
+        # NOTE: every engine process (DP rank) of a server is a member, as every TP worker of an
+        # SGLang server: server i's ranks start after the trainer's and those of servers < i
+        sizes = await asyncio.gather(*(self._engine_ranks(u) for u in urls))
+        offsets = [1 + sum(sizes[:i]) for i in range(len(urls))]
+        world = 1 + sum(sizes)
         body = {"master_address": self.master_address, "master_port": port, "world_size": world,
                 "group_name": self._name, "backend": self.backend, "timeout_s": self.timeout_s}
 
-        async def join(i, url):
+        async def join(offset, url):
             return await self._post_each((url,), "/init_weights_update_group", retry=False,
-                                         json={**body, "rank_offset": i + 1})
-        joins = asyncio.gather(*(join(i, u) for i, u in enumerate(urls)))
+                                         json={**body, "rank_offset": offset})
+        joins = asyncio.gather(*(join(o, u) for o, u in zip(offsets, urls)))
         pg_fut = asyncio.to_thread(init_custom_process_group, self.backend,
                                    f"tcp://{self.master_address}:{port}", world, 0, self._name,
                                    datetime.timedelta(seconds=self.timeout_s))
@@ -251,6 +258,15 @@ class DistributedSync(WeightSync):
                 if not ans.get("success"):
                     raise RolloutError(f"init_weights_update_group on {url} failed: {ans}")
         self._group, self._members = pg, urls
+
+    async def _engine_ranks(self, url: str) -> int:
+        """The server's engine processes (its dp_size in /server_info; 1 when it does not say)."""
+        try:
+            r = await self.client._http.get(url + "/server_info", headers=self.client._headers(), timeout=30)
+            size = r.json().get("dp_size", 1) if r.status_code == 200 else 1
+        except (httpx.HTTPError, ValueError, AttributeError):
+            size = 1
+        return size if isinstance(size, int) and size >= 1 else 1
 
     async def _push(self, named, version, urls):
         await self._ensure_group(urls)

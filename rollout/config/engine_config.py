@@ -21,6 +21,9 @@ MOE_BACKENDS = ("torch", "triton")
 ATTENTION_BACKENDS = ("torch", "triton", "flashinfer")   # see rollout/models/attention_backend.py
 
 
+MAX_BUCKET_BYTES = 2**40
+
+
 def _positive_int(name: str, value: Any, *, allow_none: bool = False, minimum: int = 1) -> None:
     if value is None and allow_none:
         return
@@ -135,6 +138,12 @@ class EngineConfig:
         "test-only: extra graph-capture axes are set from Python (tests), not from the command line"))
     seed: int = field(default=0, metadata=flag(type=int))
     weight_version: str = field(default="default", metadata=flag(help="initial weight_version label"))
+    # distributed weight updates: each engine process receives the trainer's broadcasts into
+    # scratch tensors of at most this many bytes at a time (a larger tensor alone) and copies each
+    # bucket into its weights before the next (rollout/core/weight_receiver.py)
+    weight_update_bucket_bytes: int = field(default=512 * 2**20, metadata=flag(
+        type=int, help="distributed weight updates: bytes received per bucket before copying into the weights "
+                       "(default 512 MiB)"))
     # streaming: tokens per chunk unless a request sets it
     stream_interval: int = field(default=1, metadata=flag(
         type=int, help="streaming: tokens per chunk unless a request sets sampling_params.stream_interval"))
@@ -178,6 +187,10 @@ class EngineConfig:
         object.__setattr__(self, "graph_variant_axes", _variant_axes(self.graph_variant_axes))
         _positive_int("seed", self.seed, minimum=0)
         _positive_int("stream_interval", self.stream_interval)
+        if isinstance(self.weight_update_bucket_bytes, bool) or not isinstance(self.weight_update_bucket_bytes, int) \
+                or not 1 <= self.weight_update_bucket_bytes <= MAX_BUCKET_BYTES:
+            raise ValueError(f"weight_update_bucket_bytes must be an integer in [1, {MAX_BUCKET_BYTES}], "
+                             f"got {self.weight_update_bucket_bytes!r}")
         for name in ("enable_prefix_caching", "enable_return_routed_experts", "enable_profile_graph_capture",
                      "enable_deterministic_inference"):
             if not isinstance(getattr(self, name), bool):

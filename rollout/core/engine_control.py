@@ -34,7 +34,7 @@ class EngineControl:
     def _may_step(self) -> bool:
         """Whether the engine thread should step: never while paused; while a weight update holds
         admission, only for the requests that arrived before it (an idle queue never spins)."""
-        if self.paused_mode is not None or self.released_memory:
+        if self.paused_mode is not None or self.released_memory or self.weights_inconsistent:
             return False
         return not self._admission_holds or self.scheduler.has_admissible()
 
@@ -96,11 +96,69 @@ class EngineControl:
         if self.scheduler.running or (self.paused_mode is None and self.scheduler.has_admissible()):
             return None
         count = load_state_dict_from_tensors(self.model, staged)
+        if self._weight_receiver is not None:
+            self._weight_receiver.rewritten(self.model, staged)
+        self._flush_for_new_weights()
+        self._updated(weight_version)
+        return count
+
+    def _flush_for_new_weights(self) -> None:
         flushed = self.cache.flush()
         assert flushed, "prefix cache still locked with no running request"
+
+    def _updated(self, weight_version: Optional[str]) -> None:
         if weight_version is not None:
             self.weight_version = weight_version
         self.stats["weight_updates"] = self.stats.get("weight_updates", 0) + 1
+
+    # ---- the weight-update group (rollout/core/weight_receiver.py) -------------------------------
+    cfg: Any
+    dp_rank: int
+    device: torch.device
+    ep_group: Any
+    _weight_receiver: Any = None
+
+    @property
+    def weight_receiver(self) -> Any:
+        from rollout.core.weight_receiver import WeightReceiver  # noqa: PLC0415
+
+        if self._weight_receiver is None:
+            self._weight_receiver = WeightReceiver(device=self.device, dp_rank=self.dp_rank,
+                                                   dp_size=self.cfg.dp_size,
+                                                   bucket_bytes=self.cfg.weight_update_bucket_bytes)
+        return self._weight_receiver
+
+    @property
+    def weights_inconsistent(self) -> str:
+        """Why the weights are half-updated (a failed distributed update), or "" when they are not.
+        Nothing is scheduled while they are."""
+        r = self._weight_receiver
+        return (r.inconsistent_reason or "a failed update") if r is not None and r.inconsistent else ""
+
+    def try_receive_weights(self, names: list, dtypes: list, shapes: list, load_format: Optional[str],
+                            weight_version: Optional[str]) -> Optional[int]:
+        """Receives a distributed update straight into the parameters once the requests that arrived
+        before hold_admission() are done (None until then, on every DP rank alike: the ranks agree).
+        Returns the tensor count; raises ValueError with the reason when the update is refused or
+        fails (rollout/core/weight_receiver.py says what is left then)."""
+        if self.paused_mode is not None and self.scheduler.running:
+            self.retract_running()
+        ready = not (self.scheduler.running or (self.paused_mode is None and self.scheduler.has_admissible()))
+        if self.ep_group is not None:
+            ready = all(r[0] for r in self.ep_group.exchange([int(ready)]))
+        if not ready:
+            return None
+        refuse = ("the weights are released (release_memory_occupation): resume them first"
+                  if "weights" in self.released_memory else None)
+        try:
+            count = self.weight_receiver.receive(self.model, names, dtypes, shapes, load_format, refuse=refuse)
+        finally:
+            self.stats["weight_update_buckets"] = (self.stats.get("weight_update_buckets", 0)
+                                                   + self.weight_receiver.last_buckets)
+            if self.weights_inconsistent:
+                self.abort_all(f"aborted: the weights are half-updated ({self.weights_inconsistent})")
+            self._flush_for_new_weights()
+        self._updated(weight_version)
         return count
 
     _memory_saver: Any = None
@@ -152,3 +210,5 @@ class EngineControl:
         """Removes a released-weights file, if any ."""
         if self._memory_saver is not None:
             self._memory_saver.discard()
+        if self._weight_receiver is not None:
+            self._weight_receiver.shutdown()

@@ -8,6 +8,7 @@ an empty forward.
 from __future__ import annotations
 
 import logging
+from collections import deque
 from typing import Any, Callable, Optional, Protocol
 
 import numpy as np
@@ -107,6 +108,23 @@ class EngineCommands:
     def weight_version(self) -> str:
         return self.core.weight_version
 
+    # NOTE: the three weight-group commands are collective (every DP rank's process is a member of
+    # the group): under DP the loop runs them on all ranks in the same iteration (COLLECTIVE)
+    def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                                  group_name: str, backend: str, timeout_s: float) -> dict:
+        return self.core.weight_receiver.init_group(master_address, master_port, rank_offset, world_size,
+                                                    group_name, backend, timeout_s)
+
+    def update_weights_from_distributed(self, names: list, dtypes: list, shapes: list, load_format: Optional[str],
+                                        weight_version: Optional[str]) -> Optional[int]:
+        return self.core.try_receive_weights(names, dtypes, shapes, load_format, weight_version)
+
+    def destroy_weights_update_group(self, group_name: Optional[str]) -> bool:
+        return self.core.weight_receiver.destroy_group(group_name)
+
+    def weights_inconsistent(self) -> str:
+        return self.core.weights_inconsistent
+
     def read_weight(self, hf_name: str, truncate_size: int) -> Optional[list]:
         from rollout.models.weight_reader import read_hf_weight  # noqa: PLC0415
 
@@ -129,21 +147,25 @@ class EngineCommands:
 
 
 COMMANDS = frozenset(name for name in vars(EngineCommands) if not name.startswith("_"))
+COLLECTIVE = frozenset({"init_weights_update_group", "update_weights_from_distributed",
+                        "destroy_weights_update_group"})
 
 
 class StepSync:
-    """DP: every rank learns each iteration whether any rank has work or wants to stop."""
+    """DP: every rank learns each iteration whether any rank has work or wants to stop, and how
+    many collective commands every rank has received (those run now, on all ranks together)."""
 
     def __init__(self, device: torch.device):
-        self._flags = torch.zeros(2, dtype=torch.int32, device=device)
+        self._flags = torch.zeros(3, dtype=torch.int32, device=device)
 
-    def agree(self, has_work: bool, stop: bool) -> tuple[bool, bool]:
+    def agree(self, has_work: bool, stop: bool, pending: int = 0) -> tuple[bool, bool, int]:
         import torch.distributed as dist  # noqa: PLC0415
 
-        self._flags[0], self._flags[1] = int(has_work), int(stop)
+        # NOTE: MAX of -pending is -(the fewest pending on any rank)
+        self._flags[0], self._flags[1], self._flags[2] = int(has_work), int(stop), -pending
         dist.all_reduce(self._flags, op=dist.ReduceOp.MAX)
-        work, stop_all = self._flags.tolist()
-        return bool(work), bool(stop_all)
+        work, stop_all, ready = self._flags.tolist()
+        return bool(work), bool(stop_all), -ready
 
 
 class EngineLoop:
@@ -159,6 +181,7 @@ class EngineLoop:
         self.commands = EngineCommands(core)
         self.stopping = False
         self.steps = 0
+        self.pending: deque[Call] = deque()   # DP: collective commands not yet received by every rank
         # the CPU threads that change by step, if any (rollout/core/cpu_threads.py), and whether the
         # previous message carried stream deltas (the front end works on them meanwhile)
         self.threads = core.cpu_threads if core.cpu_threads is not None and core.cpu_threads.switches else None
@@ -168,11 +191,17 @@ class EngineLoop:
         if isinstance(msg, AddReqs):
             for spec in msg.reqs:
                 self.core.add_request(req_from_spec(spec))
+                if self.core.weights_inconsistent:
+                    # NOTE: sent before the front end learnt of the failed update: never run
+                    self.core.abort(spec.uid, f"aborted: the weights are half-updated ({self.core.weights_inconsistent})")
         elif isinstance(msg, AbortReqs):
             for uid in msg.uids:
                 self.core.abort(uid, msg.message)
         elif isinstance(msg, Call):
-            replies.append(self._call(msg))
+            if self.sync is not None and msg.method in COLLECTIVE:
+                self.pending.append(msg)
+            else:
+                replies.append(self._call(msg))
         elif isinstance(msg, Shutdown):
             self.stopping = True
         else:
@@ -203,8 +232,11 @@ class EngineLoop:
             if sync is not None:
                 # NOTE: an orphaned rank (front end gone) stops all ranks together, at the next meeting
                 orphaned = not work and not self.alive()
-                work, stop = sync.agree(work, self.stopping or orphaned)
+                work, stop, ready = sync.agree(work, self.stopping or orphaned, len(self.pending))
                 self.stopping = self.stopping or stop
+                if ready and not self.stopping:
+                    # NOTE: every rank got them in the same order (the front end sends them one at a time)
+                    replies += [self._call(self.pending.popleft()) for _ in range(ready)]
             if self.stopping:
                 self._send(replies)
                 return

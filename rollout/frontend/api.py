@@ -10,7 +10,6 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-import time
 from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
 import torch
@@ -25,6 +24,7 @@ from rollout.frontend.request_builder import ParamsArg, RequestBuilder
 from rollout.frontend.request_state import RequestState, RoutingShape
 from rollout.frontend.request_table import RequestTable
 from rollout.frontend.submission import Submission
+from rollout.frontend.weight_control import WeightControl
 from rollout.ipc.messages import ReqSpec, ReqUpdate
 from rollout.models.registry import architecture_of, model_class, read_config, resolve_dtype
 from rollout.output import RolloutOutput
@@ -36,7 +36,7 @@ logger = logging.getLogger(__name__)
 Groups = list[list[tuple[ReqSpec, RequestState]]]
 
 
-class Rollout:
+class Rollout(WeightControl):
     """Generation engine for MoE models; `Rollout()` loads the embedded tiny model.
 
     client: "process" (default: the engine in its own process, one per DP rank) or "inproc" (the
@@ -69,6 +69,7 @@ class Rollout:
         self._stopping = False
         self.paused_mode: Optional[str] = None
         self.weight_version = config.weight_version
+        self._weights_lock = threading.Lock()
         if client == "inproc":
             from rollout.frontend.inproc_client import InprocClient  # noqa: PLC0415
 
@@ -359,38 +360,6 @@ class Rollout:
         """The weight stored under checkpoint name hf_name (fp32 lists, the first truncate_size entries
         along dim 0), from the first DP rank that holds it; None when no rank does."""
         return next((w for w in self._call("read_weight", hf_name, truncate_size) if w is not None), None)
-
-    def swap_weights(self, staged: dict, *, weight_version: Optional[str] = None,
-                     abort_all_requests: bool = False, poll_s: float = 0.005) -> int:
-        """Installs already validated and staged HF-named tensors, all at once, between steps.
-
-        With abort_all_requests every request in flight is aborted first (partial outputs).
-        Otherwise the swap waits for every request that arrived before it (running or queued) to
-        finish on the current weights, as SGLang does; requests that arrive meanwhile queue and run
-        on the new weights. Paused, the running requests are retracted instead. The prefix cache is flushed and weight_version set (when given). Blocks the
-        calling thread; returns the tensors copied.
-        """
-        from rollout.core.engine_loop import tensors_to_wire  # noqa: PLC0415
-
-        if abort_all_requests:
-            self._call("abort_all")
-        self._call("hold_admission")
-        wire = None
-        try:
-            while True:
-                # NOTE: a cheap check first, so the tensors travel to the ranks only once the running
-                # requests are done (or paused, when they get retracted)
-                if self.paused_mode is not None or not any(ld["update_waits"] for ld in self.loads()):
-                    wire = wire or tensors_to_wire(staged)
-                    counts = self._call("try_swap_weights", wire, weight_version)
-                    if all(c is not None for c in counts):
-                        if weight_version is not None:
-                            self.weight_version = weight_version
-                        return counts[0]
-                time.sleep(poll_s)
-        finally:
-            if self._client.dead_reason is None:
-                self._call("release_admission")
 
     @property
     def context_length(self) -> int:

@@ -10,6 +10,11 @@ class EngineDeadError(RuntimeError):
     """The engine stopped (crashed, was killed, or shut down); every pending request receives this."""
 
 
+class WeightsInconsistentError(RuntimeError):
+    """A weight update failed after part of the weights were copied: no request runs until an
+    update rewrites them (rollout-serve answers 503)."""
+
+
 class RidInFlightError(ValueError):
     """A request with this rid is still in flight (HTTP 400, error type "rid_in_flight_error")."""
 

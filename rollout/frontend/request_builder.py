@@ -17,6 +17,7 @@ from typing import Any, Optional, Sequence, Union
 import numpy as np
 
 from rollout.config import EngineConfig
+from rollout.frontend.engine_client import WeightsInconsistentError
 from rollout.frontend.request_state import RequestState, RoutingShape
 from rollout.ipc.messages import ReqSpec
 from rollout.sampling_params import SamplingParams
@@ -51,6 +52,7 @@ class RequestBuilder:
         self._rng = random.Random(config.seed)
         self._uids = itertools.count(1)
         self.released_memory: tuple[str, ...] = ()   # set by Rollout.release/resume_memory_occupation
+        self.weights_inconsistent = ""               # set by Rollout's weight updates (weight_control.py)
 
     def _decode(self, ids: list[int], skip_special_tokens: bool) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
@@ -106,6 +108,9 @@ class RequestBuilder:
         if self.released_memory:
             raise ValueError(f"the server's memory is released ({', '.join(self.released_memory)}): call "
                              f"resume_memory_occupation first")
+        if self.weights_inconsistent:
+            raise WeightsInconsistentError(f"the weights are half-updated ({self.weights_inconsistent}); no request "
+                                           f"runs until a weight update rewrites them")
         batch = self._prompt_ids(prompts, input_ids)
         n_prompts = len(batch)
         if isinstance(sampling_params, (list, tuple)):

@@ -69,7 +69,6 @@ def create_app(engine: Rollout, server_args: ServerArgs) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         yield
-        updater.shutdown()
         control_pool.shutdown(wait=False, cancel_futures=True)
         weight_pool.shutdown(wait=False, cancel_futures=True)
 

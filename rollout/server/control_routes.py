@@ -37,7 +37,7 @@ INIT_GROUP = FieldPolicy(endpoint="/init_weights_update_group",
                                           "backend", "timeout_s", "pp_rank"}))
 DISTRIBUTED = FieldPolicy(endpoint="/update_weights_from_distributed",
                           acted=frozenset({"names", "dtypes", "shapes", "weight_version", "abort_all_requests",
-                                           "group_name"}), accepted=WEIGHT_ACCEPTED)
+                                           "group_name", "load_format"}), accepted=WEIGHT_ACCEPTED)
 DESTROY = FieldPolicy(endpoint="/destroy_weights_update_group", acted=frozenset({"group_name"}))
 VERSION = FieldPolicy(endpoint="/update_weight_version", acted=frozenset({"new_version", "abort_all_requests"}))
 RELEASE = FieldPolicy(endpoint="/release_memory_occupation", acted=frozenset({"tags"}))
@@ -193,7 +193,8 @@ def add_control_routes(app: FastAPI, *, engine: Any, args: ServerArgs, updater: 
     async def update_weights_from_distributed(request: Request) -> Response:
         body = DISTRIBUTED.screen(await read_json(request), ignored)
         return await weights_call(updater.update_from_distributed, body.get("names"), body.get("dtypes"),
-                                  body.get("shapes"), body.get("weight_version"), body.get("abort_all_requests", False))
+                                  body.get("shapes"), body.get("weight_version"), body.get("abort_all_requests", False),
+                                  body.get("load_format"))
 
     @app.post("/destroy_weights_update_group")
     async def destroy_weights_update_group(request: Request) -> Response:

@@ -8,6 +8,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from rollout.frontend.api import EngineDeadError
+from rollout.frontend.engine_client import WeightsInconsistentError
 from rollout.server.args import ServerArgs
 from rollout.server.engine_stream import ClientGone
 from rollout.server.guard import WEIGHT_PATHS, BodyTooLarge
@@ -41,6 +42,10 @@ def add_error_handlers(app: FastAPI, args: ServerArgs) -> None:
 
     @app.exception_handler(EngineDeadError)
     async def _dead(request: Request, exc: EngineDeadError) -> Response:
+        return json_response(error_body(str(exc), "server_error", code=503), 503)
+
+    @app.exception_handler(WeightsInconsistentError)
+    async def _inconsistent(request: Request, exc: WeightsInconsistentError) -> Response:
         return json_response(error_body(str(exc), "server_error", code=503), 503)
 
     @app.exception_handler(ClientGone)

@@ -40,6 +40,9 @@ class GenerateHealth:
             # after its timeout; here the same 503 at once, saying why
             return 503, {"status": "error", "message": f"the server's memory is released ({', '.join(released)}): "
                                                         f"no step runs until resume_memory_occupation"}
+        if engine.weights_inconsistent:
+            return 503, {"status": "error", "message": f"the weights are half-updated ({engine.weights_inconsistent}): "
+                                                        f"no request runs until a weight update rewrites them"}
         start = engine.steps_done
         busy = engine.num_in_flight > 0
         probe = task = None

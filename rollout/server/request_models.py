@@ -195,6 +195,7 @@ class UpdateWeightsFromDistributedRequest(BaseModel):
     shapes: list[IntList]
     weight_version: Optional[str] = Field(None, max_length=256)
     abort_all_requests: Optional[bool] = None
+    load_format: Optional[Literal["flattened_bucket"]] = None
     group_name: Optional[str] = None
 
 

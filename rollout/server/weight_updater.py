@@ -1,28 +1,29 @@
 """WeightUpdater: new weights from disk, from safetensors bytes, or broadcast over torch.distributed.
 
-Every path is all-or-nothing: names, shapes and dtypes are checked against the model first, the
-tensors are received into staging copies (already in the parameters' dtype and device, and checked
-finite), and only then swapped in by the engine thread between two steps (Rollout.swap_weights),
-which also flushes the prefix cache and sets weight_version. On any failure nothing was copied: the
-old weights keep serving and the error says why. Never unpickles anything.
+Disk and tensor updates are all-or-nothing: names, shapes and dtypes are checked against the
+model first, the tensors are staged (already in the parameters' dtype, and checked finite), and
+only then swapped in by the engine between two steps (Rollout.swap_weights), which also flushes
+the prefix cache and sets weight_version. On any failure nothing was copied: the old weights keep
+serving and the error says why. Never unpickles anything.
+
+Distributed updates pass no tensor through this process: it checks the metadata and forwards it;
+the engine processes are the group's members and receive into their parameters bucket by bucket
+(rollout/core/weight_receiver.py, which says what a failure mid-way leaves).
 """
 from __future__ import annotations
 
-import datetime
 import logging
 import math
 import os
 import threading
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
+from rollout.core.weight_receiver import BACKENDS, DTYPES, LOAD_FORMATS
 from rollout.models.loader import _checkpoint_files, plan
 
 logger = logging.getLogger(__name__)
-DTYPES = {"float32": torch.float32, "float": torch.float32, "float16": torch.float16, "half": torch.float16,
-          "bfloat16": torch.bfloat16, "float64": torch.float64, "double": torch.float64}
-BACKENDS = ("gloo", "nccl")
 DEFAULT_GROUP_TIMEOUT_S = 300.0
 MAX_TENSORS = 1_000_000
 MAX_WEIGHT_VERSION_CHARS = 256
@@ -49,31 +50,11 @@ def _dtype(name: Any) -> torch.dtype:
     return DTYPES[name.removeprefix("torch.")]
 
 
-def init_custom_process_group(backend: str, init_method: str, world_size: int, rank: int, group_name: str,
-                              timeout: datetime.timedelta):
-    """A process group of its own (TCPStore rendezvous), never the default group, so it cannot clash
-    with anything else in the process. The trainer side calls the same function with rank 0 (this is
-    how SGLang-based trainers create their weight-update group)."""
-    from torch.distributed.distributed_c10d import (Backend, PrefixStore, _new_process_group_helper, _world,
-                                                    rendezvous)
-
-    store, rank, world_size = next(rendezvous(init_method, rank, world_size, timeout=timeout))
-    store.set_timeout(timeout)
-    store = PrefixStore(group_name, store)
-    pg, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), store, group_name=group_name,
-                                      timeout=timeout)
-    _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
-    return pg
-
-
 class WeightUpdater:
     def __init__(self, engine: Any, allowed_dirs: tuple[str, ...]):
         self.engine = engine
         self.allowed_dirs = tuple(os.path.realpath(d) for d in allowed_dirs)
         self._swap_lock = threading.Lock()
-        self._group_lock = threading.Lock()
-        self._group = None
-        self._group_info: Optional[dict] = None
 
     # ---- validation and staging --------------------------------------------------------------------
     def stage(self, named: dict[str, torch.Tensor], *, require_all: bool, source: str) -> dict[str, torch.Tensor]:
@@ -205,9 +186,11 @@ class WeightUpdater:
                                     ("rank_offset", rank_offset, 1, 2**16)):
             if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
                 raise WeightUpdateError(f"{name} must be an integer in [{lo}, {hi}], got {value!r}"[:300])
-        if rank_offset >= world_size:
-            raise WeightUpdateError(f"rank_offset ({rank_offset}) must be < world_size ({world_size}): "
-                                    f"this server takes rank rank_offset, the trainer rank 0")
+        dp = self.engine.config.dp_size
+        if rank_offset + dp > world_size:
+            raise WeightUpdateError(f"rank_offset ({rank_offset}) + this server's engine processes (dp_size {dp}) "
+                                    f"must be <= world_size ({world_size}): the trainer is rank 0, DP rank r of "
+                                    f"this server takes rank rank_offset + r")
         if not isinstance(group_name, str) or not group_name or len(group_name) > 128:
             raise WeightUpdateError(f"group_name must be a non-empty string, got {group_name!r}"[:300])
         if backend not in BACKENDS:
@@ -217,49 +200,31 @@ class WeightUpdater:
         if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not 0 < timeout_s <= 3600 \
                 or not math.isfinite(timeout_s):
             raise WeightUpdateError(f"timeout_s must be a number in (0, 3600], got {timeout_s!r}"[:300])
-        with self._group_lock:
-            if self._group is not None:
-                raise WeightUpdateError(f"weights update group {self._group_info['group_name']!r} already exists; "
-                                        f"destroy it first")
-            host = f"[{master_address}]" if ":" in master_address else master_address
-            try:
-                pg = init_custom_process_group(backend, f"tcp://{host}:{master_port}", world_size, rank_offset,
-                                               group_name, datetime.timedelta(seconds=timeout_s))
-            except Exception as exc:  # noqa: BLE001 (rendezvous raises many kinds)
-                raise WeightUpdateError(f"init_weights_update_group failed: {type(exc).__name__}: {exc}") from None
-            self._group = pg
-            self._group_info = {"group_name": group_name, "rank": rank_offset, "world_size": world_size,
-                                "backend": backend}
-        return {"success": True, "message": f"joined weights update group {group_name!r} as rank {rank_offset}"}
+        try:
+            ranks = self.engine.init_weights_update_group(
+                master_address=master_address, master_port=master_port, rank_offset=rank_offset,
+                world_size=world_size, group_name=group_name, backend=backend, timeout_s=float(timeout_s))
+        except ValueError as exc:
+            raise WeightUpdateError(str(exc)) from None
+        joined = ", ".join(str(r["rank"]) for r in ranks)
+        return {"success": True, "message": f"joined weights update group {group_name!r} as rank(s) {joined}"}
 
     def destroy_group(self, group_name: Any = None) -> dict:
-        with self._group_lock:
-            if self._group is None:
-                raise WeightUpdateError("no weights update group exists")
-            if group_name is not None and group_name != self._group_info["group_name"]:
-                raise WeightUpdateError(f"group_name {group_name!r} does not match the existing group "
-                                        f"{self._group_info['group_name']!r}"[:300])
-            self._destroy_locked()
+        try:
+            self.engine.destroy_weights_update_group(group_name)
+        except ValueError as exc:
+            raise WeightUpdateError(str(exc)) from None
         return {"success": True, "message": "weights update group destroyed"}
 
-    def _destroy_locked(self) -> None:
-        import torch.distributed as dist
-
-        pg, self._group, self._group_info = self._group, None, None
-        try:
-            dist.destroy_process_group(pg)
-        except Exception:  # noqa: BLE001 (a broken group is gone either way)
-            logger.warning("destroying the weights update group failed", exc_info=True)
-
     def update_from_distributed(self, names: Any, dtypes: Any, shapes: Any, weight_version: Any = None,
-                                abort_all_requests: Any = False) -> dict:
-        """Receives each tensor by broadcast from the trainer's rank 0, in `names` order.
+                                abort_all_requests: Any = False, load_format: Any = None) -> dict:
+        """Forwards the metadata; every engine process receives the trainer's broadcasts (rank 0, in
+        `names` order) itself, bucket by bucket, into its parameters. No tensor passes through here.
 
-        NOTE: when the metadata is well formed but does not fit the model, the tensors are still
-        received (and dropped) so the trainer's broadcasts do not hang; then the update is refused.
+        NOTE: when the metadata is well formed but does not fit the model, the engines still
+        receive (and drop) the tensors so the trainer's broadcasts do not hang; then the update is
+        refused. Malformed metadata is refused here (nothing can be received without it).
         """
-        import torch.distributed as dist
-
         self.check_common(weight_version, abort_all_requests)
         if not all(isinstance(x, list) for x in (names, dtypes, shapes)):
             raise WeightUpdateError("names, dtypes and shapes must be lists")
@@ -270,6 +235,8 @@ class WeightUpdater:
             raise WeightUpdateError("names entries must be non-empty strings")
         if len(set(names)) != len(names):
             raise WeightUpdateError("names must not repeat")
+        if load_format not in LOAD_FORMATS:
+            raise WeightUpdateError(f"load_format must be one of {list(LOAD_FORMATS)}, got {load_format!r}"[:300])
         torch_dtypes = [_dtype(d) for d in dtypes]
         for s in shapes:
             if not isinstance(s, list) or len(s) > 8 or not all(
@@ -280,34 +247,14 @@ class WeightUpdater:
         if total > 2 * model_bytes + 2**26:
             raise WeightUpdateError(f"the tensors announced ({total} bytes) are far larger than the model "
                                     f"({model_bytes} bytes); nothing received")
-        problem = None
-        try:
-            plan(self.engine.model, {n: tuple(s) for n, s in zip(names, shapes)}, require_all=False,
-                 source="update_weights_from_distributed")
-        except ValueError as exc:
-            problem = str(exc)
-        with self._group_lock:
-            if self._group is None:
-                raise WeightUpdateError("no weights update group: call /init_weights_update_group first")
-            device = self.engine.config.device if self._group_info["backend"] == "nccl" else "cpu"
-            received: dict[str, torch.Tensor] = {}
+        with self._swap_lock:
             try:
-                for name, dt, shape in zip(names, torch_dtypes, shapes):
-                    buf = torch.empty(shape, dtype=dt, device=device)
-                    dist.broadcast(buf, src=0, group=self._group)
-                    if problem is None:
-                        received[name] = buf
-            except Exception as exc:  # noqa: BLE001 (a failed collective leaves the group unusable)
-                self._destroy_locked()
-                raise WeightUpdateError(f"receiving tensors failed ({type(exc).__name__}: {exc}); the weights "
-                                        f"update group was destroyed, old weights keep serving") from None
-        if problem is not None:
-            raise WeightUpdateError(problem + "\n(the tensors were received and dropped; old weights keep serving)")
-        staged = self.stage(received, require_all=False, source="update_weights_from_distributed")
-        del received
-        return self._swap(staged, weight_version, abort_all_requests, "distributed")
-
-    def shutdown(self) -> None:
-        with self._group_lock:
-            if self._group is not None:
-                self._destroy_locked()
+                count = self.engine.update_weights_from_distributed(
+                    names, [str(d).removeprefix("torch.") for d in dtypes], shapes, load_format=load_format,
+                    weight_version=weight_version, abort_all_requests=abort_all_requests)
+            except ValueError as exc:
+                raise WeightUpdateError(str(exc)) from None
+        version = self.engine.weight_version
+        logger.info("weights updated over torch.distributed: %d tensors, weight_version=%s", count, version)
+        return {"success": True, "message": f"updated {count} tensors from distributed; prefix cache flushed",
+                "num_tensors": count, "weight_version": version}
