@@ -157,3 +157,31 @@ def test_exact_mode_refuses_what_it_cannot_match(tiny_checkpoint):
         exact_attention_forward(attn, q, k, k, position_ids=torch.tensor([[0, 1, 2, 5, 6]]))
     with pytest.raises(ValueError, match="position_ids"):
         exact_attention_forward(attn, q, k, k)
+
+
+@pytest.mark.parametrize("sync", ["tensor", pytest.param("disk", marks=pytest.mark.slow),
+                                  pytest.param("distributed", marks=pytest.mark.slow)])
+def test_exact_loop_stays_exact_across_weight_syncs(tmp_path, capsys, sync):
+    """configs/train/exact.yaml end to end: deterministic servers, exact trainer; every step's
+    rollouts come from the weights the trainer pushed after the step before (an inexact round
+    trip would show as max |dlp| > 0 from step 2 on)."""
+    from pathlib import Path
+
+    from trainer_bridge.train import run
+    from trainer_bridge.train_config import load_train_config
+
+    config = Path(__file__).resolve().parent.parent / "configs" / "train" / "exact.yaml"
+    cfg = load_train_config(config, [f"run_dir={tmp_path / 'run'}", f"weight_sync={sync}", "steps=3",
+                                     "prompts_per_step=8", "num_eval_prompts=0", "micro_batch_tokens=256",
+                                     "progress=false", "wandb_mode=disabled", "lr=1e-3"])
+    result = run(cfg)
+    out = capsys.readouterr().out
+    assert len(result.history) == 3
+    for step, rec in enumerate(result.history, start=1):
+        assert rec["weight_version"] == str(step - 1)
+        assert rec["micro_batches"] >= 2
+        assert rec["train_rollout_logprob_max_abs_diff"] == 0, (step, rec["train_rollout_logprob_max_abs_diff"])
+        assert rec["no_replay/train_rollout_logprob_max_abs_diff"] == 0
+        assert rec["no_replay/routing_mismatch_rate"] == 0 and rec["routing_mismatch_rate"] == 0
+        assert f"step {step:3d}" in out
+    assert out.count("mismatch 0 (no replay 0)  max|dlp| 0 (no replay 0)") == 3
