@@ -185,3 +185,21 @@ def test_exact_loop_stays_exact_across_weight_syncs(tmp_path, capsys, sync):
         assert rec["no_replay/routing_mismatch_rate"] == 0 and rec["routing_mismatch_rate"] == 0
         assert f"step {step:3d}" in out
     assert out.count("mismatch 0 (no replay 0)  max|dlp| 0 (no replay 0)") == 3
+
+
+def test_max_dlp_metric_and_printout_are_exact():
+    from trainer_bridge.metrics import logprob_max_abs_diff
+    from trainer_bridge.step_report import exact_number, step_line
+
+    train = torch.tensor([[0.5, -1.0, -2.0, 7.0]])
+    roll = torch.tensor([[0.5, -1.0 - 2.0 ** -20, -2.0, 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])                    # the last (7.0 away) is not a loss token
+    assert logprob_max_abs_diff(train, roll, mask) == 2.0 ** -20
+    assert logprob_max_abs_diff(train, roll, torch.zeros_like(mask)) == 0.0
+    assert exact_number(0.0) == "0" and exact_number(2.0 ** -20) == repr(2.0 ** -20) == "9.5367431640625e-07"
+    rec = {"step": 3, "reward_mean": 0.5, "response_length_mean": 4.0, "routing_mismatch_rate": 0.0,
+           "no_replay/routing_mismatch_rate": 1e-6, "train_rollout_logprob_max_abs_diff": 0.0,
+           "no_replay/train_rollout_logprob_max_abs_diff": 2.0 ** -20, "train_rollout_logprob_abs_diff": 0.0,
+           "k3_kl": 0.0, "f_tau2": 0.0, "rollout_s": 1.0, "train_s": 1.0, "sync_s": 0.1}
+    assert "mismatch 0 (no replay 1e-06)  max|dlp| 0 (no replay 9.5367431640625e-07)" in step_line(rec, exact=True)
+    assert "mismatch 0.0000 (no replay 0.0000)" in step_line(rec)

@@ -45,17 +45,19 @@ _COLUMNS = [("step", "step", "{:d}"), ("reward", "reward_mean", "{:.3f}"), ("eva
             ("ver", "weight_version", "{}")]
 
 
-def step_table(history: Sequence[dict]) -> str:
-    """The summary table, one row per step (format None: an exact number)."""
-    rows = [[h for h, _, _ in _COLUMNS]]
+def step_table(history: Sequence[dict], *, exact: bool = False) -> str:
+    """The summary table, one row per step (format None: an exact number; ``exact``: the mismatch
+    rates too)."""
+    cols = [(h, k, None if exact and "mismatch" in k else f) for h, k, f in _COLUMNS]
+    rows = [[h for h, _, _ in cols]]
     for rec in history:
         row = []
-        for _, key, fmt in _COLUMNS:
+        for _, key, fmt in cols:
             v = rec.get(key)
             row.append("-" if v is None or (isinstance(v, float) and math.isnan(v))
                        else exact_number(v) if fmt is None else fmt.format(v))
         rows.append(row)
-    widths = [max(len(r[i]) for r in rows) for i in range(len(_COLUMNS))]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(cols))]
     lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)

@@ -283,7 +283,7 @@ async def run_async(config: TrainConfig, *, hooks: Optional[Hooks] = None, serve
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     if wb is not None:
         wb.finish(summary)
-    log("\n" + step_table(result.history))
+    log("\n" + step_table(result.history, exact=config.exact))
     if result.evals:
         log("held-out reward (greedy): " + ", ".join(f"step {s}: {r:.3f}" for s, r in result.evals))
     log("client per-server: " + "; ".join(f"{u}: {d['completed']} done, {d['failures']} failed, "
