@@ -104,7 +104,7 @@ def main() -> int:
         r = results[m]
         ratio = f"{r['median_s'] / results['default']['median_s']:.2f}x"
         print(f"{m:8s} {r['median_s']:9.3f} {r['min_s']:8.3f} {ratio:>10s} "
-              f"{exact_number(r['first_step_max_abs_dlp']):>22s} {r['first_step_routing_mismatch']:16.4f}")
+              f"{exact_number(r['first_step_max_abs_dlp']):>22s} {exact_number(r['first_step_routing_mismatch']):>16s}")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
         print(f"\nwrote {args.json}")
