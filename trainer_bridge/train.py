@@ -15,6 +15,10 @@ rate (the trainer router's own top-k vs the replayed set), train/rollout log-pro
 F(tau=2), reward mean, response length; with ``compare_no_replay`` the same agreement metrics of a
 live-routing forward over the same rollouts at the same weights (``no_replay/...``); and the
 held-out reward (greedy) every ``eval_every`` steps.
+
+With ``exact: true`` (configs/train/exact.yaml) the servers run deterministic inference and the
+trainer exact mode (``trainer_bridge.exact_model``); each step's line then shows ``max|dlp|`` and
+the mismatch rates as exact numbers, all ``0``.
 """
 from __future__ import annotations
 
