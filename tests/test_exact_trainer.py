@@ -87,9 +87,10 @@ def test_exact_logprobs_and_routing_equal_rollout_qwen3(qwen3):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch", [a for a in ARCHS if a != "qwen3_moe"])
-def test_exact_logprobs_and_routing_equal_rollout_other_archs(tiny_checkpoint, arch):
-    path = tiny_checkpoint(arch)
+@pytest.mark.parametrize("arch, overrides", [(a, {}) for a in ARCHS if a != "qwen3_moe"]
+                         + [("qwen3_moe", {"use_sliding_window": True, "sliding_window": 20})])
+def test_exact_logprobs_and_routing_equal_rollout_other_archs(tiny_checkpoint, arch, overrides):
+    path = tiny_checkpoint(arch, **overrides)
     _check_equal_to_rollout(path, _rollout_samples(path, seed=9))
 
 

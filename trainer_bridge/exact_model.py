@@ -71,7 +71,7 @@ def exact_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.T
     lengths = torch.bincount(seg, minlength=segments)                              # [S]
     pos = torch.arange(longest, device=dev)
     mask = (pos[None, :, None] >= pos[None, None, :]) & (pos[None, None, :] < lengths[:, None, None])  # [S, T, T]
-    if sliding_window is not None:
+    if sliding_window:                                                             # NOTE: 0 / None: no window
         mask &= pos[None, None, :] > pos[None, :, None] - sliding_window
     scale = module.scaling if scaling is None else scaling
     out = exact_ops.attention(q, k, v, mask[:, None], scale)                       # [S, H, T, Dv]
