@@ -268,5 +268,6 @@ def test_metrics_hand_computed():
     assert reward_mean(ss) == 0.5 and response_length_mean(ss) == 2.0
     m = step_metrics(train_logprobs=train, rollout_logprobs=roll, loss_mask=mask, samples=ss,
                      live_experts=live, replayed_experts=rep)
-    assert set(m) == {"train_rollout_logprob_abs_diff", "k3_kl", "f_tau2", "routing_mismatch_rate",
-                      "reward_mean", "response_length_mean"}
+    assert set(m) == {"train_rollout_logprob_abs_diff", "train_rollout_logprob_max_abs_diff", "k3_kl", "f_tau2",
+                      "routing_mismatch_rate", "reward_mean", "response_length_mean"}
+    assert m["train_rollout_logprob_max_abs_diff"] == pytest.approx(max(diffs))  # masked-out log 5 not counted

@@ -10,7 +10,7 @@ from typing import Optional, Sequence
 
 import torch
 
-__all__ = ["routing_mismatch_rate", "logprob_abs_diff", "k3_kl", "ratio_outside", "reward_mean",
+__all__ = ["routing_mismatch_rate", "logprob_abs_diff", "logprob_max_abs_diff", "k3_kl", "ratio_outside", "reward_mean",
            "response_length_mean", "step_metrics"]
 
 
@@ -49,6 +49,14 @@ def logprob_abs_diff(train_logprobs, rollout_logprobs, mask=None) -> float:
     return _mean((train_logprobs - rollout_logprobs).abs(), mask)
 
 
+def logprob_max_abs_diff(train_logprobs, rollout_logprobs, mask=None) -> float:
+    """Max ``|logp_train - logp_rollout|`` over the masked tokens (0.0 if none), unrounded."""
+    d = (torch.as_tensor(train_logprobs).detach().float() - torch.as_tensor(rollout_logprobs).float()).abs()
+    if mask is not None:
+        d = d[torch.as_tensor(mask).to(d.device).expand_as(d) != 0]
+    return float(d.max()) if d.numel() else 0.0
+
+
 def k3_kl(train_logprobs, rollout_logprobs, mask=None) -> float:
     """k3 estimate of KL(rollout || train) on rollout-sampled tokens: mean ``r - 1 - log r``,
     ``r = p_train / p_rollout``."""
@@ -81,6 +89,7 @@ def step_metrics(*, train_logprobs=None, rollout_logprobs=None, loss_mask=None, 
     out = {}
     if train_logprobs is not None and rollout_logprobs is not None:
         out["train_rollout_logprob_abs_diff"] = logprob_abs_diff(train_logprobs, rollout_logprobs, loss_mask)
+        out["train_rollout_logprob_max_abs_diff"] = logprob_max_abs_diff(train_logprobs, rollout_logprobs, loss_mask)
         out["k3_kl"] = k3_kl(train_logprobs, rollout_logprobs, loss_mask)
         out[f"f_tau{tau:g}"] = ratio_outside(train_logprobs, rollout_logprobs, loss_mask, tau)
     if live_experts is not None and replayed_experts is not None:

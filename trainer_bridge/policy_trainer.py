@@ -8,7 +8,8 @@ micro-batches (``pack_samples``: tokens and routing through one index map), runs
 normalised by the step's loss-token count) and takes one optimizer step. It measures, on the same
 micro-batches: the experts each forward really used (``UsedExperts``, read from the expert
 modules' inputs) against the rollout's, the trainer router's own top-k (replay replace rate),
-and, with ``compare_no_replay``, a live-routing forward at the same weights.
+and, with ``compare_no_replay``, a live-routing forward at the same weights. With ``exact`` the
+model computes as the engine's deterministic mode (``trainer_bridge.exact_model``).
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from .exact_model import make_trainer_exact
 from .losses import rl_loss, token_logprobs
 from .metrics import step_metrics
 from .packing import pack_samples
@@ -115,6 +117,8 @@ class PolicyTrainer:
         if model is None:
             model = AutoModelForCausalLM.from_pretrained(config.model_path, dtype=torch.float32)
         model.config.use_cache = False
+        if config.exact:
+            make_trainer_exact(model)
         model.train()
         self.num_layers = int(model.config.num_hidden_layers)
         params = [p for p in model.parameters() if p.requires_grad]

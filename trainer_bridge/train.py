@@ -15,6 +15,10 @@ rate (the trainer router's own top-k vs the replayed set), train/rollout log-pro
 F(tau=2), reward mean, response length; with ``compare_no_replay`` the same agreement metrics of a
 live-routing forward over the same rollouts at the same weights (``no_replay/...``); and the
 held-out reward (greedy) every ``eval_every`` steps.
+
+With ``exact: true`` (configs/train/exact.yaml) the servers run deterministic inference and the
+trainer exact mode (``trainer_bridge.exact_model``); each step's line then shows ``max|dlp|`` and
+the mismatch rates as exact numbers, all ``0``.
 """
 from __future__ import annotations
 
@@ -23,7 +27,6 @@ import asyncio
 import contextlib
 import importlib
 import json
-import math
 import os
 import sys
 import time
@@ -40,6 +43,7 @@ from .losses import grpo_advantages
 from .metrics import step_metrics
 from .policy_trainer import PolicyTrainer
 from .sample import Sample
+from .step_report import step_line, step_table
 from .train_config import TrainConfig, load_train_config
 from .weight_sync import make_weight_sync
 
@@ -84,35 +88,14 @@ class TrainResult:
         if self.evals:
             out["eval_reward_first"] = self.evals[0][1]
             out["eval_reward_last"] = self.evals[-1][1]
+        out["max/train_rollout_logprob_max_abs_diff"] = max(
+            (h["train_rollout_logprob_max_abs_diff"] for h in self.history), default=float("nan"))
         for k in ("reward_mean", "routing_mismatch_rate", "no_replay/routing_mismatch_rate",
                   "train_rollout_logprob_abs_diff", "no_replay/train_rollout_logprob_abs_diff", "k3_kl",
                   "no_replay/k3_kl", "f_tau2", "no_replay/f_tau2", "rollout_s", "train_s", "sync_s",
                   "bytes_per_sample"):
             out[f"mean/{k}"] = mean(k)
         return out
-
-
-def _table(result: TrainResult) -> str:
-    cols = [("step", "step", "{:d}"), ("reward", "reward_mean", "{:.3f}"), ("eval", "eval_reward", "{:.3f}"),
-            ("len", "response_length_mean", "{:.2f}"), ("mismatch", "routing_mismatch_rate", "{:.4f}"),
-            ("mism(noR)", "no_replay/routing_mismatch_rate", "{:.4f}"),
-            ("|dlp|", "train_rollout_logprob_abs_diff", "{:.4f}"),
-            ("|dlp|(noR)", "no_replay/train_rollout_logprob_abs_diff", "{:.4f}"),
-            ("k3", "k3_kl", "{:.2e}"), ("k3(noR)", "no_replay/k3_kl", "{:.2e}"),
-            ("F2", "f_tau2", "{:.4f}"), ("F2(noR)", "no_replay/f_tau2", "{:.4f}"),
-            ("rollout_s", "rollout_s", "{:.2f}"), ("train_s", "train_s", "{:.2f}"), ("sync_s", "sync_s", "{:.3f}"),
-            ("ver", "weight_version", "{}")]
-    rows = [[h for h, _, _ in cols]]
-    for rec in result.history:
-        row = []
-        for _, key, fmt in cols:
-            v = rec.get(key)
-            row.append("-" if v is None or (isinstance(v, float) and math.isnan(v)) else fmt.format(v))
-        rows.append(row)
-    widths = [max(len(r[i]) for r in rows) for i in range(len(cols))]
-    lines = ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
 
 
 class _Wandb:
@@ -147,6 +130,7 @@ def _server_flags(config: TrainConfig) -> list[str]:
             "--log-level", "warning",
             *(["--api-key", config.api_key] if config.api_key else []),
             *(["--admin-api-key", config.admin_api_key] if config.admin_api_key else []),
+            *(["--enable-deterministic-inference"] if config.exact else []),
             *config.server_flags]
 
 
@@ -286,15 +270,7 @@ async def run_async(config: TrainConfig, *, hooks: Optional[Hooks] = None, serve
                     f.write(json.dumps({k: v for k, v in rec.items()}, default=str) + "\n")
                 bar.set_postfix(reward=f"{rec['reward_mean']:.3f}", mismatch=f"{rec['routing_mismatch_rate']:.3f}",
                                 refresh=False)
-                line = (f"step {step:3d}  reward {rec['reward_mean']:.3f}  len {rec['response_length_mean']:.2f}  "
-                        f"mismatch {rec['routing_mismatch_rate']:.4f}")
-                if "no_replay/routing_mismatch_rate" in rec:
-                    line += f" (no replay {rec['no_replay/routing_mismatch_rate']:.4f})"
-                line += (f"  |dlp| {rec['train_rollout_logprob_abs_diff']:.4f}  k3 {rec['k3_kl']:.2e}  "
-                         f"F2 {rec['f_tau2']:.4f}")
-                if "eval_reward" in rec:
-                    line += f"  held-out {rec['eval_reward']:.3f}"
-                line += f"  [rollout {rec['rollout_s']:.2f}s train {rec['train_s']:.2f}s sync {rec['sync_s']:.3f}s]"
+                line = step_line(rec, exact=config.exact)
                 if config.progress:
                     tqdm.write(line, file=sys.stdout)
                 else:
@@ -311,7 +287,7 @@ async def run_async(config: TrainConfig, *, hooks: Optional[Hooks] = None, serve
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     if wb is not None:
         wb.finish(summary)
-    log("\n" + _table(result))
+    log("\n" + step_table(result.history, exact=config.exact))
     if result.evals:
         log("held-out reward (greedy): " + ", ".join(f"step {s}: {r:.3f}" for s, r in result.evals))
     log("client per-server: " + "; ".join(f"{u}: {d['completed']} done, {d['failures']} failed, "

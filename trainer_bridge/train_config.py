@@ -59,6 +59,7 @@ class TrainConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     # ---- training
+    exact: bool = False                     # exact on-policy: deterministic servers + exact-mode trainer
     router_replay: bool = True
     compare_no_replay: bool = True          # also measure live routing on the same rollouts
     lr: float = 5e-4
@@ -104,6 +105,9 @@ class TrainConfig:
         need(self.task in (None, "arithmetic"), "task", "must be 'arithmetic' or null (then give train_files)")
         if self.task is None:
             need(bool(self.train_files), "train_files", "must name prompt files when task is null")
+        if self.exact and self.server_dtype != "float32":
+            raise ConfigError(f"server_dtype: exact mode needs the trainer's dtype on the servers (float32), "
+                              f"got {self.server_dtype!r}")
         if self.samples_per_prompt < 2:
             raise ConfigError(f"samples_per_prompt: GRPO needs groups of at least 2, got {self.samples_per_prompt}")
 
