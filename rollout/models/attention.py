@@ -69,12 +69,12 @@ class PagedAttention(nn.Module):
         """The torch path (and every kernel's reference): SDPA over the step's own attention grid."""
         if fb.cascade is not None and attn_mask is None:
             return fb.cascade.attend(q, fb.kv_pool.kv_buffers[self.layer_id], self.scale)
-        mask = fb.attn_mask if attn_mask is None else attn_mask              # [B, 1, E, S]
         if fb.segments:
             return torch.cat([
                 self._grid(q[g.tok_lo:g.tok_hi], g.kv_flat, g.hi - g.lo, g.extend, g.q_pad_index,
-                           mask[g.lo:g.hi, :, :g.extend, :g.width], fb.kv_pool)
+                           fb.segment_mask(g, attn_mask), fb.kv_pool)
                 for g in fb.segments])
+        mask = fb.attn_mask if attn_mask is None else attn_mask              # [B, 1, E, S]
         bsz = fb.kv_indices.shape[0]
         full = q.shape[0] == bsz * fb.max_extend
         return self._grid(q, fb.kv_indices.reshape(-1), bsz, fb.max_extend, None if full else fb.q_pad_index,
@@ -109,6 +109,11 @@ class PagedAttention(nn.Module):
                                              enable_gqa=h != kvh)              # [B, H, E, D]
         out = out.transpose(1, 2).reshape(bsz * extend, h * d)
         return out if q_pad_index is None else out[q_pad_index]
+
+    def reads_mask(self, fb: ForwardBatch) -> bool:
+        """Whether this layer's attend reads masks (the torch paths); the kernels of a backend
+        whose `reads_mask` is False never do."""
+        return self.exact or fb.attention is None or fb.attention.reads_mask
 
     @staticmethod
     def sliding_window_mask(fb: ForwardBatch, window: int) -> torch.Tensor:

@@ -1,0 +1,209 @@
+"""The step's host work: the attention mask made only when read (never by the kernel backends),
+the req-to-token table on the device with device-gathered KV indices, and one host read of the
+device per decode step (routing rows copied asynchronously, written when read)."""
+import random
+import weakref
+
+import pytest
+import torch
+from torch.overrides import TorchFunctionMode
+
+from rollout import Rollout
+from rollout.config import DEFAULT_MODEL_PATH, EngineConfig
+from rollout.core.engine_core import EngineCore
+from rollout.core.kv_pool import SINK_SLOT, KVPool
+from rollout.core.req_to_token import ReqToTokenPool
+from rollout.core.request import Req
+from rollout.exec.forward_batch import ForwardBatch
+from rollout.sampling_params import SamplingParams
+from tiny_models import random_prompts as prompts
+
+GREEDY = {"temperature": 0.0, "ignore_eos": True}
+
+
+def reference_mask(prefix_lens, extend_lens, width):
+    """[B, 1, max_extend, width] by definition: query i of request b (position prefix + i) sees key
+    p <= that position and p < seq_len; a padded query row (i >= extend) sees key 0 only."""
+    bsz, ext = len(prefix_lens), max(extend_lens)
+    mask = torch.zeros(bsz, 1, ext, width, dtype=torch.bool)
+    for b, (pre, e) in enumerate(zip(prefix_lens, extend_lens)):
+        for i in range(ext):
+            for p in range(width):
+                mask[b, 0, i, p] = (p <= pre + i and p < pre + e) or (ext > 1 and p == 0)
+    return mask
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_lazy_mask_matches_its_definition(seed):
+    rng = random.Random(seed)
+    bsz = rng.randint(1, 5)
+    decode = seed % 2 == 0
+    extend = [1] * bsz if decode else [rng.randint(1, 6) for _ in range(bsz)]
+    prefix = [rng.randint(0, 7) for _ in range(bsz)]
+    pool = KVPool(num_slots=256, num_layers=1, num_kv_heads=1, head_dim=4, dtype=torch.float32)
+    slots = [torch.tensor(rng.sample(range(1, 257), p + e)) for p, e in zip(prefix, extend)]
+    fb = ForwardBatch.build(input_ids=[3] * sum(extend), out_cache_loc=torch.cat([s[p:] for s, p in zip(slots, prefix)]),
+                            prefix_lens=prefix, extend_lens=extend, req_slots=slots, kv_pool=pool)
+    assert not fb.mask_built
+    width = max(p + e for p, e in zip(prefix, extend))
+    ref = reference_mask(prefix, extend, width)
+    lo = rng.randrange(bsz)
+    hi = rng.randint(lo + 1, bsz)
+    part = fb.grid_mask(lo, hi, max(extend[lo:hi]), max(p + e for p, e in zip(prefix[lo:hi], extend[lo:hi])))
+    assert not fb.mask_built     # a segment's grid is made on its own
+    assert torch.equal(part, ref[lo:hi, :, :part.shape[2], :part.shape[3]])
+    assert torch.equal(fb.attn_mask, ref) and fb.mask_built
+
+
+def _count_grid_masks(monkeypatch):
+    calls = []
+    inner = ForwardBatch.grid_mask
+
+    def counted(self, *args):
+        calls.append(args)
+        return inner(self, *args)
+    monkeypatch.setattr(ForwardBatch, "grid_mask", counted)
+    return calls
+
+
+def _generate(path, backend, **kw):
+    with Rollout(str(path), tokenizer_path=DEFAULT_MODEL_PATH, dtype="float32", attention_backend=backend,
+                 enable_return_routed_experts=True, max_total_tokens=512, client="inproc", **kw) as engine:
+        return engine.generate(input_ids=prompts(3, [12, 5]), return_logprob=True, return_routed_experts=True,
+                               sampling_params=[dict(GREEDY, max_new_tokens=4), dict(GREEDY, max_new_tokens=3)])
+
+
+@pytest.mark.interpreter
+def test_kernel_backend_makes_no_mask_even_with_sliding_windows(tiny_checkpoint, monkeypatch):
+    path = tiny_checkpoint("mixtral", sliding_window=5)   # windowed layers: the kernels take the layer's window
+    calls = _count_grid_masks(monkeypatch)
+    ref = _generate(path, "torch")
+    assert calls, "the torch backend reads masks (the counter sees them)"
+    calls.clear()
+    outs = _generate(path, "triton", chunked_prefill_size=8)
+    assert calls == []
+    for out, r in zip(outs, ref, strict=True):
+        assert out.output_ids == r.output_ids
+        assert torch.equal(out.routed_experts, r.routed_experts)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_req_to_token_table_on_the_device_gathers_what_the_host_lists_held(device):
+    rng = random.Random(0)
+    pool = ReqToTokenPool(num_rows=6, width=40, device=device)
+    assert pool.device_table.device.type == device
+    held: dict[int, list[int]] = {}          # the old host-side state: each request's slot list
+    next_slot = iter(range(1, 10**6))
+    for _ in range(60):
+        op = rng.random()
+        if op < 0.25 and len(held) < 6:
+            row = pool.alloc()
+            held[row] = [next(next_slot) for _ in range(rng.randint(0, 9))]
+            pool.write(row, 0, torch.tensor(held[row], dtype=torch.int64))
+        elif op < 0.4 and held:
+            row = rng.choice(list(held))
+            pool.free(row)
+            del held[row]
+        elif op < 0.6 and held:
+            row = rng.choice(list(held))
+            more = [next(next_slot) for _ in range(rng.randint(1, 5))]
+            if len(held[row]) + len(more) <= 40:
+                pool.write(row, len(held[row]), torch.tensor(more, dtype=torch.int64))
+                held[row] += more
+        elif held:
+            rows = [r for r in held if len(held[r]) < 40]
+            new = [next(next_slot) for _ in rows]
+            pool.append_one(torch.tensor(rows), torch.tensor([len(held[r]) for r in rows]), torch.tensor(new))
+            for r, s in zip(rows, new):
+                held[r].append(s)
+        if held:
+            rows = rng.sample(list(held), rng.randint(1, len(held)))
+            width = max(len(held[r]) for r in rows) or 1
+            got = pool.gather(torch.tensor(rows), width)
+            assert got.device.type == device and got.dtype == torch.int64
+            ref = torch.nn.utils.rnn.pad_sequence([torch.tensor(held[r] + [SINK_SLOT], dtype=torch.int64)
+                                                   for r in rows], batch_first=True, padding_value=SINK_SLOT)
+            for i, r in enumerate(rows):   # cells past a length may be stale (masked by every reader)
+                n = len(held[r])
+                assert torch.equal(got[i, :n].cpu(), ref[i, :n])
+                assert torch.equal(pool.slots(r, n), torch.tensor(held[r], dtype=torch.int64))
+    pool.check_integrity(list(held))
+
+
+class DeviceReads(TorchFunctionMode):
+    """Counts host reads (tolist, item, bool, int, float, numpy, blocking copies to the host) of
+    tensors that came out of the model's forward or the capture buffer, or were computed from them:
+    on a GPU exactly these wait for the device."""
+
+    READS = {torch.Tensor.tolist, torch.Tensor.item, torch.Tensor.__bool__, torch.Tensor.__int__,
+             torch.Tensor.__float__, torch.Tensor.__index__, torch.Tensor.numpy, torch.Tensor.cpu}
+
+    def __init__(self):
+        super().__init__()
+        self.born: dict[int, weakref.ref] = {}
+        self.reads = 0
+
+    def mark(self, t):
+        if isinstance(t, torch.Tensor):
+            self.born[id(t)] = weakref.ref(t)
+
+    def _is_born(self, t) -> bool:
+        ref = self.born.get(id(t)) if isinstance(t, torch.Tensor) else None
+        return ref is not None and ref() is t
+
+    @staticmethod
+    def _to_host(args, kwargs) -> bool:
+        targets = list(args[1:]) + [kwargs.get("device")]
+        return any(t == "cpu" or (isinstance(t, torch.device) and t.type == "cpu") for t in targets)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        flat = list(args) + list(kwargs.values())
+        flat += [x for a in flat if isinstance(a, (list, tuple)) for x in a]
+        born = any(self._is_born(a) for a in flat)
+        async_copy = func in (torch.Tensor.to, torch.Tensor.copy_) and kwargs.get("non_blocking", False)
+        if born and not async_copy and (
+                func in self.READS
+                or (func is torch.Tensor.to and self._to_host(args, kwargs))
+                or (func is torch.Tensor.copy_ and not self._is_born(args[0]))):
+            self.reads += 1
+        out = func(*args, **kwargs)
+        if born and not async_copy:   # NOTE: an async copy's host tensor is the event's business
+            for o in out if isinstance(out, (list, tuple)) else (out,):
+                self.mark(o)
+        return out
+
+
+def test_a_decode_step_reads_the_device_once():
+    core = EngineCore(EngineConfig(model_path=DEFAULT_MODEL_PATH, dtype="float32", max_running_requests=8,
+                                   enable_return_routed_experts=True))
+    inner = core.model.forward
+    mode = DeviceReads()
+
+    def forward(*args, **kwargs):
+        out = inner(*args, **kwargs)
+        mode.mark(out)
+        return out
+    core.model.forward = forward
+    mode.mark(core.capturer.buffer.buffer)
+    for i, ids in enumerate(prompts(5, [7, 4, 9])):
+        core.add_request(Req(uid=i + 1, rid=str(i), prompt_ids=ids, seed=i, return_logprob=True,
+                             return_routed_experts=True, max_total_len=64, top_logprobs_num=2 if i == 0 else 0,
+                             params=SamplingParams(temperature=1.0, max_new_tokens=6, ignore_eos=True)))
+    core.step()                                     # the prefill: every request samples its first token
+    core.take_updates()
+    for _ in range(3):
+        before = core.host_reads.count
+        with mode:
+            mode.reads = 0
+            core.step()
+        assert core.stats["num_decode_forwards"] >= 1
+        assert mode.reads == 1 and core.host_reads.count == before + 1
+        # the routing rows of the step are on their way to the host, written when read
+        assert core.capturer._pending is not None
+        assert not core.take_updates()              # nothing finished, nothing streamed
+    while core.has_work():
+        core.step()
+    upd = {u.uid: u for u in core.take_updates()}
+    assert len(upd) == 3 and all(u.finished for u in upd.values())
+    core.check_integrity()
