@@ -207,3 +207,56 @@ def test_a_decode_step_reads_the_device_once():
     upd = {u.uid: u for u in core.take_updates()}
     assert len(upd) == 3 and all(u.finished for u in upd.values())
     core.check_integrity()
+
+
+def test_a_long_chunk_attends_in_mask_blocks(monkeypatch):
+    from attention_cases import attention_case
+    from rollout.models import attention
+
+    layer, q, fb, _ = attention_case([40], [100], heads=4, kv_heads=2, dim=16, seed=3)
+    kv = fb.kv_pool.kv_buffers[0][fb.kv_indices[0]].double()                 # [140, 2, kvH, D]
+    keys, values = kv[:, 0].repeat_interleave(2, dim=1), kv[:, 1].repeat_interleave(2, dim=1)  # [S, H, D]
+    scores = torch.einsum("nhd,shd->hns", q.double(), keys) * layer.scale    # [H, 100, 140]
+    causal = torch.arange(140)[None, :] <= (40 + torch.arange(100))[:, None]
+    probs = scores.masked_fill(~causal, float("-inf")).softmax(-1)
+    ref = torch.einsum("hns,shd->nhd", probs, values).reshape(100, -1)
+    shapes = []
+    inner = ForwardBatch.grid_mask
+
+    def recorded(self, *args):
+        out = inner(self, *args)
+        shapes.append(tuple(out.shape))
+        return out
+    monkeypatch.setattr(ForwardBatch, "grid_mask", recorded)
+    monkeypatch.setattr(attention, "MASK_BLOCK_CELLS", 1000)
+    out = layer.torch_attend(q, fb)
+    assert len(shapes) == 15 and max(s[2] * s[3] for s in shapes) <= 1000   # 7 query rows x 140 keys a block
+    assert not fb.mask_built
+    torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
+    monkeypatch.setattr(attention, "MASK_BLOCK_CELLS", 1 << 24)
+    shapes.clear()
+    whole = layer.torch_attend(q, fb)
+    assert shapes == [(1, 1, 100, 140)]
+    torch.testing.assert_close(whole, out, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.gpu
+def test_a_graphed_decode_step_syncs_only_for_its_one_read():
+    core = EngineCore(EngineConfig(model_path=DEFAULT_MODEL_PATH, device="cuda", dtype="bfloat16",
+                                   attention_backend="triton", max_running_requests=8,
+                                   decode_graph_batch_sizes=(1, 2, 4, 8), enable_return_routed_experts=True))
+    for i, ids in enumerate(prompts(6, [7, 4, 9])):
+        core.add_request(Req(uid=i + 1, rid=str(i), prompt_ids=ids, seed=i, return_logprob=True,
+                             return_routed_experts=True, max_total_len=64,
+                             params=SamplingParams(temperature=1.0, max_new_tokens=6, ignore_eos=True)))
+    core.step()
+    core.take_updates()
+    for _ in range(3):
+        before = core.host_reads.count
+        with core.host_reads.strict():   # any other sync (a pageable copy, .item(), .tolist()) raises
+            core.step()
+        assert core.host_reads.count == before + 1 and core.runner.counts["decode_graph"] >= 1
+    while core.has_work():
+        core.step()
+    assert all(u.finished for u in core.take_updates())
+    core.check_integrity()

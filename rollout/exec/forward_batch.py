@@ -42,6 +42,10 @@ class ForwardBatch:
     prefix_groups: tuple = ()        # eager decode: (shared length, batch rows) of requests sharing a prefix
     attention: Optional[Any] = None  # the engine's attention backend (None: PagedAttention's torch path)
     attention_plan: Optional[Any] = None   # what that backend prepared for this forward (bind)
+    # seq_lens / extend_lens as host ints (build has them): a backend planning on the host reads
+    # these, not the device tensors (no sync)
+    host_seq_lens: tuple = ()
+    host_extend_lens: tuple = ()
 
     @cached_property
     def attn_mask(self) -> torch.Tensor:
@@ -55,16 +59,17 @@ class ForwardBatch:
     def mask_built(self) -> bool:
         return "attn_mask" in self.__dict__
 
-    def grid_mask(self, lo: int, hi: int, extend: int, width: int) -> torch.Tensor:
-        """attn_mask[lo:hi, :, :extend, :width] made on its own (an AttentionSegment's grid, so
-        a batch cut into segments never holds the whole batch's grid) -> [hi-lo, 1, extend, width]."""
+    def grid_mask(self, lo: int, hi: int, extend: int, width: int, q_lo: int = 0) -> torch.Tensor:
+        """attn_mask[lo:hi, :, q_lo:q_lo+extend, :width] made on its own (an AttentionSegment's
+        grid, or a block of its query rows: never the whole batch's) -> [hi-lo, 1, extend, width]."""
         seq = self.seq_lens[lo:hi]
         key_pos = torch.arange(width, device=seq.device)
         if self.max_extend == 1:
             # decode: one query per request, at position seq_len - 1, seeing keys 0 .. seq_len - 1
             return (key_pos[None, :] < seq[:, None])[:, None, None, :]               # [b, 1, 1, S]
         # query i of request b sits at position prefix_lens[b] + i and sees keys 0 .. that position
-        q_pos = (seq - self.extend_lens[lo:hi])[:, None] + torch.arange(extend, device=seq.device)[None, :]
+        q_idx = torch.arange(q_lo, q_lo + extend, device=seq.device)
+        q_pos = (seq - self.extend_lens[lo:hi])[:, None] + q_idx[None, :]
         mask = key_pos[None, None, :] <= q_pos[:, :, None]                              # [b, E, S]
         mask &= key_pos[None, None, :] < seq[:, None, None]
         # NOTE: padded query rows (i >= extend_lens[b]) must still see one key, else softmax is NaN.
@@ -77,6 +82,12 @@ class ForwardBatch:
         if attn_mask is None:
             return self.grid_mask(g.lo, g.hi, g.extend, g.width)
         return attn_mask[g.lo:g.hi, :, :g.extend, :g.width]
+
+    def lens_on_host(self) -> tuple[list[int], list[int]]:
+        """(seq_lens, extend_lens) as host ints: the ones build kept, else read from the device."""
+        if len(self.host_seq_lens) == self.batch_size:
+            return list(self.host_seq_lens), list(self.host_extend_lens)
+        return self.seq_lens.tolist(), self.extend_lens.tolist()
 
     @property
     def num_tokens(self) -> int:
@@ -152,4 +163,5 @@ class ForwardBatch:
             segments=segments,
             cascade=cascade,
             prefix_groups=tuple(prefix_groups) if segment_attention and max_ext == 1 else (),
+            host_seq_lens=tuple(seq_lens), host_extend_lens=tuple(extend_lens),
         )

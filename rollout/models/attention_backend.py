@@ -69,7 +69,7 @@ class TritonAttentionBackend:
     def bind(self, fb: ForwardBatch, *, static: bool) -> ForwardBatch:
         plan = None
         if not static and fb.prefix_groups and fb.max_extend == 1:
-            meta = paged_kv_metadata(extend_lens=[1] * fb.batch_size, seq_lens=fb.seq_lens.tolist(),
+            meta = paged_kv_metadata(extend_lens=[1] * fb.batch_size, seq_lens=fb.lens_on_host()[0],
                                      kv_indices=fb.kv_indices, prefix_groups=fb.prefix_groups,
                                      device=fb.kv_indices.device)
             plan = meta if meta.is_cascade else None

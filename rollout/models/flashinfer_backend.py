@@ -74,7 +74,8 @@ class FlashInferAttentionBackend:
     def bind(self, fb: ForwardBatch, *, static: bool) -> ForwardBatch:
         if fb.num_tokens == 0:
             return dataclasses.replace(fb, attention=self, attention_plan=None)
-        meta = paged_kv_metadata(extend_lens=fb.extend_lens.tolist(), seq_lens=fb.seq_lens.tolist(),
+        seq_lens, extend_lens = fb.lens_on_host()
+        meta = paged_kv_metadata(extend_lens=extend_lens, seq_lens=seq_lens,
                                  kv_indices=fb.kv_indices, prefix_groups=() if static else fb.prefix_groups,
                                  device=self.device)
         common = dict(q_data_type=self.dtype, kv_data_type=self.dtype, sm_scale=self.scale)
