@@ -20,6 +20,7 @@ from rollout.core.cpu_threads import CpuThreads
 from rollout.core.engine_control import EngineControl
 from rollout.core.host_malloc import tune_glibc_malloc
 from rollout.core.host_reads import HostReads
+from rollout.core.host_staging import to_device
 from rollout.core.kv_pool import KVPool
 from rollout.ipc.messages import ReqUpdate, floats, ints
 from rollout.exec.model_runner import ModelRunner
@@ -241,7 +242,9 @@ class EngineCore(EngineControl):
             # come through a decode step too (chunked prefill): the general path above sees it.
             to_sample = range(len(batch.reqs))
             reqs = batch.reqs
-        logits = out.logits if len(to_sample) == out.logits.shape[0] else out.logits[list(to_sample)]
+        logits = out.logits
+        if len(to_sample) != logits.shape[0]:
+            logits = logits.index_select(0, to_device(torch.tensor(list(to_sample), dtype=torch.int64), logits.device))
         banned = None
         if any(len(r.output_ids) < r.params.min_new_tokens for r in reqs):
             banned = [self._banned_ids(r) for r in reqs]

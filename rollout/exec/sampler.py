@@ -66,7 +66,7 @@ def _apply_penalties(logits: torch.Tensor, params: Sequence[SamplingParams],
     vocab = logits.shape[1]
     for i in rows:  # NOTE: only rows that ask for penalties; most RL requests skip this loop.
         p = params[i]
-        counts = torch.bincount(torch.tensor(output_ids[i], dtype=torch.int64, device=logits.device),
+        counts = torch.bincount(to_device(torch.tensor(output_ids[i], dtype=torch.int64), logits.device),
                                 minlength=vocab)[:vocab]
         seen = counts > 0
         row = logits[i]
@@ -110,10 +110,11 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams], seeds: Sequen
     if not uniform or first.has_penalty:
         logits = _apply_penalties(logits, params, output_ids)
     if banned_ids is not None and any(banned_ids):
-        logits = logits.clone()
-        for i, ids in enumerate(banned_ids):
-            if ids:
-                logits[i, list(ids)] = float("-inf")
+        rows = [i for i, ids in enumerate(banned_ids) for _ in ids]
+        cols = [t for ids in banned_ids for t in ids]
+        logits = logits.clone().index_put_((to_device(torch.tensor(rows, dtype=torch.int64), dev),
+                                            to_device(torch.tensor(cols, dtype=torch.int64), dev)),
+                                           torch.full((), float("-inf"), dtype=logits.dtype, device=dev))
     if uniform:
         is_greedy = [first.is_greedy] * bsz
         temp = first.sampler_key[1]
