@@ -256,25 +256,23 @@ class EngineCore(EngineControl):
         columns = [result.next_ids, result.logprobs, torch.isfinite(logits).all(dim=-1)]   # [B] each
         if result.top_ids is not None:
             columns += [result.top_logprobs, result.top_ids]                                # [B, k] each
-        rows = self.host_reads.read(columns)
-        k = result.top_ids.shape[1] if result.top_ids is not None else 0
+        next_ids, logprobs, finite, *top = self.host_reads.read(columns)
         eos = self._eos_set
-        for req, row in zip(reqs, rows):
-            if not row[2]:
+        for j, req in enumerate(reqs):
+            if not finite[j]:
                 self._fail_nonfinite(req, "the forward produced non-finite logits (NaN or inf)")
                 continue
             self.stats["generated_tokens"] += 1
-            logprob = row[1]
-            if logprob != logprob:   # NaN: no finite distribution to sample from
+            if logprobs[j] != logprobs[j]:   # NaN: no finite distribution to sample from
                 self._fail_nonfinite(req, "sampling produced a NaN logprob (no finite distribution)")
                 continue
-            tok = int(row[0])
+            tok = next_ids[j]
             out_ids = req.output_ids
             out_ids.append(tok)
-            req.output_logprobs.append(logprob)
+            req.output_logprobs.append(logprobs[j])
             if req.top_logprobs_num:
                 n = req.top_logprobs_num
-                req.output_top_logprobs.append(list(zip(row[3:3 + n], map(int, row[3 + k:3 + k + n]))))
+                req.output_top_logprobs.append(list(zip(top[0][j][:n], top[1][j][:n])))
             p = req.params
             # NOTE: the usual token ends nothing; only a token that could (_check_finish) pays for
             # the full check. Stop strings are the front end's (it sees the text and aborts).

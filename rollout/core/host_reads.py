@@ -1,11 +1,12 @@
-"""HostReads: the engine step's reads of device results, made in one transfer and counted.
+"""HostReads: the engine step's reads of device results, made with one wait and counted.
 
 A read of a device tensor on the host (.tolist(), .item(), bool(), .cpu()) waits for every kernel
 queued before it. A step needs its results once: the sampled ids, their logprobs, whether each
-row's logits were finite (and the top logprobs when asked). `read` sends them as one float64
-[B, columns] transfer, so a decode step waits on the device exactly once; `count` says how many
-times it has (tests and the step benchmark read it). `strict()` makes, on CUDA, every other
-host sync inside it an error (torch.cuda.set_sync_debug_mode): a debugging and test aid.
+row's logits were finite (and the top logprobs when asked). `read` starts a non_blocking copy of
+each to the host (pinned), waits once for the stream, then converts them, so a decode step waits
+on the device exactly once; `count` says how many times it has (tests and the step benchmark
+read it). `strict()` makes, on CUDA, every other host sync inside it an error
+(torch.cuda.set_sync_debug_mode): a debugging and test aid. On CPU there is nothing to wait for.
 """
 from __future__ import annotations
 
@@ -20,18 +21,19 @@ class HostReads:
         self.count = 0
         self._strict = False
 
-    def read(self, columns: Sequence[torch.Tensor]) -> list[list[float]]:
-        """columns: [B] or [B, k] tensors on one device (ints below 2**53, float32 or bool: all
-        exact in float64) -> B host rows, each the columns side by side."""
+    def read(self, columns: Sequence[torch.Tensor]) -> list[list]:
+        """columns: tensors on one device -> each as a host list (.tolist()), after one wait."""
         self.count += 1
-        packed = torch.cat([c.reshape(c.shape[0], -1).to(torch.float64) for c in columns], dim=1)  # [B, cols]
-        if not self._strict:
-            return packed.tolist()
-        torch.cuda.set_sync_debug_mode("default")
-        try:
-            return packed.tolist()
-        finally:
-            torch.cuda.set_sync_debug_mode("error")
+        host = [c.to("cpu", non_blocking=True) for c in columns]
+        if any(c.is_cuda for c in columns):
+            if self._strict:
+                torch.cuda.set_sync_debug_mode("default")
+            try:
+                torch.cuda.current_stream().synchronize()
+            finally:
+                if self._strict:
+                    torch.cuda.set_sync_debug_mode("error")
+        return [h.tolist() for h in host]
 
     @contextmanager
     def strict(self) -> Iterator[None]:
