@@ -60,9 +60,9 @@ def _count_grid_masks(monkeypatch):
     calls = []
     inner = ForwardBatch.grid_mask
 
-    def counted(self, *args):
+    def counted(self, *args, **kw):
         calls.append(args)
-        return inner(self, *args)
+        return inner(self, *args, **kw)
     monkeypatch.setattr(ForwardBatch, "grid_mask", counted)
     return calls
 
@@ -236,8 +236,8 @@ def test_a_long_chunk_attends_in_mask_blocks(monkeypatch):
     shapes = []
     inner = ForwardBatch.grid_mask
 
-    def recorded(self, *args):
-        out = inner(self, *args)
+    def recorded(self, *args, **kw):
+        out = inner(self, *args, **kw)
         shapes.append(tuple(out.shape))
         return out
     monkeypatch.setattr(ForwardBatch, "grid_mask", recorded)

@@ -53,15 +53,27 @@ class ForwardBatch:
         from seq_lens and extend_lens (no host work, no sync; inside a CUDA graph it is part of the
         graph). Only the torch paths read it (torch_attend, exact mode, MLA); the Triton and
         FlashInfer backends never do, so their steps never make it."""
-        return self.grid_mask(0, self.batch_size, self.max_extend, self.kv_indices.shape[1])
+        return self.grid_mask(0, self.batch_size, self.max_extend, self.kv_indices.shape[1], keep=True)
 
     @property
     def mask_built(self) -> bool:
-        return "attn_mask" in self.__dict__
+        """Whether this forward holds a mask (attn_mask or a kept segment mask)."""
+        return "attn_mask" in self.__dict__ or bool(self.__dict__.get("_kept_masks"))
 
-    def grid_mask(self, lo: int, hi: int, extend: int, width: int, q_lo: int = 0) -> torch.Tensor:
+    def grid_mask(self, lo: int, hi: int, extend: int, width: int, q_lo: int = 0, *, keep: bool = False) -> torch.Tensor:
         """attn_mask[lo:hi, :, q_lo:q_lo+extend, :width] made on its own (an AttentionSegment's
-        grid, or a block of its query rows: never the whole batch's) -> [hi-lo, 1, extend, width]."""
+        grid, or a block of its query rows: never the whole batch's) -> [hi-lo, 1, extend, width].
+        keep: made once for this forward (every layer reads the same); blocks of a long chunk are
+        not kept (that would hold the whole grid again)."""
+        if not keep:
+            return self._make_mask(lo, hi, extend, width, q_lo)
+        kept = self.__dict__.setdefault("_kept_masks", {})
+        key = (lo, hi, extend, width, q_lo)
+        if key not in kept:
+            kept[key] = self._make_mask(lo, hi, extend, width, q_lo)
+        return kept[key]
+
+    def _make_mask(self, lo: int, hi: int, extend: int, width: int, q_lo: int) -> torch.Tensor:
         seq = self.seq_lens[lo:hi]
         key_pos = torch.arange(width, device=seq.device)
         if self.max_extend == 1:
@@ -80,7 +92,7 @@ class ForwardBatch:
         """The mask of segment g: its own grid (made alone), or its part of attn_mask (a sliding
         window's) -> [g.hi - g.lo, 1, g.extend, g.width]."""
         if attn_mask is None:
-            return self.grid_mask(g.lo, g.hi, g.extend, g.width)
+            return self.grid_mask(g.lo, g.hi, g.extend, g.width, keep=True)
         return attn_mask[g.lo:g.hi, :, :g.extend, :g.width]
 
     def lens_on_host(self) -> tuple[list[int], list[int]]:

@@ -91,7 +91,7 @@ class PagedAttention(nn.Module):
               q_pad_index: torch.Tensor | None, mask: torch.Tensor | Callable, pool) -> torch.Tensor:
         """q [N, H, D] of bsz requests, request b's queries at grid rows b*extend + i (q_pad_index;
         None: N == bsz * extend), keys at slots [bsz * seq] (request-major), mask [bsz, 1, extend, seq]
-        or mask(rows, width, q_lo) making its query rows q_lo .. q_lo+rows-1 -> [N, H*D].
+        or mask(rows, width, q_lo, keep=...) making its query rows q_lo .. q_lo+rows-1 -> [N, H*D].
 
         NOTE: one request's long chunk (extend x S past MASK_BLOCK_CELLS) attends in blocks of
         query rows, each with its own mask, so the mask never takes more than that."""
@@ -105,7 +105,7 @@ class PagedAttention(nn.Module):
         if not callable(mask):
             return self._sdpa(q, keys, values, bsz, extend, q_pad_index, mask)
         if bsz > 1 or q_pad_index is not None or extend * seq <= MASK_BLOCK_CELLS:
-            return self._sdpa(q, keys, values, bsz, extend, q_pad_index, mask(extend, seq, 0))
+            return self._sdpa(q, keys, values, bsz, extend, q_pad_index, mask(extend, seq, 0, keep=True))
         rows = max(1, MASK_BLOCK_CELLS // seq)
         return torch.cat([self._sdpa(q[i:i + rows], keys, values, 1, min(rows, extend - i), None,
                                      mask(min(rows, extend - i), seq, i))
