@@ -162,20 +162,42 @@ def run_hf(hf: nn.Module, batch: list[tuple[list[int], int]], device: str, max_t
 
 def decode_step_time(core: EngineCore, vocab: int, batch: int, prompt_len: int, steps: int, device: str) -> dict:
     """Median seconds of a decode step with `batch` requests of ~prompt_len context (after their
-    prefill), and the context length at the timed steps."""
+    prefill), the context length at the timed steps, and the step's host seconds (its wall time
+    less its one wait for the device: EngineCore.host_reads)."""
+    reads = core.host_reads
+    read = reads.read
+    waited = [0.0]
+
+    def timed_read(columns):
+        t = time.perf_counter()
+        try:
+            return read(columns)
+        finally:
+            waited[0] += time.perf_counter() - t
+    reads.read = timed_read
+    try:
+        return _decode_step_time(core, vocab, batch, prompt_len, steps, device, waited)
+    finally:
+        del reads.read
+
+
+def _decode_step_time(core: EngineCore, vocab: int, batch: int, prompt_len: int, steps: int, device: str,
+                      waited: list) -> dict:
     rng = random.Random(batch)
     for i in range(batch):
         core.add_request(Req(uid=batch * 1_000_000 + i, rid=f"d{batch}-{i}", seed=i,
                              prompt_ids=[rng.randrange(1, vocab) for _ in range(prompt_len)],
                              params=SamplingParams(temperature=0.0, max_new_tokens=steps + 64, ignore_eos=True),
                              max_total_len=core.context_length))
-    times = []
+    times, host = [], []
     warm = 2
     for _ in range(batch * prompt_len // 256 + steps + warm + 64):
         decodes = core.stats["num_decode_forwards"]
         sync(device)
+        waited[0] = 0.0
         t0 = time.perf_counter()
         core.step()
+        t1 = time.perf_counter()
         sync(device)
         core.take_updates()
         is_decode = core.stats["num_decode_forwards"] > decodes
@@ -184,6 +206,7 @@ def decode_step_time(core: EngineCore, vocab: int, batch: int, prompt_len: int, 
                 warm -= 1
             else:
                 times.append(time.perf_counter() - t0)
+                host.append(t1 - t0 - waited[0])
         if len(times) == steps:
             break
     context = prompt_len + warm + len(times)
@@ -192,7 +215,8 @@ def decode_step_time(core: EngineCore, vocab: int, batch: int, prompt_len: int, 
         core.step()
     core.take_updates()
     assert times, "no decode step of the whole batch was timed"
-    return {"step_s": statistics.median(times), "context": context, "steps_timed": len(times)}
+    return {"step_s": statistics.median(times), "context": context, "steps_timed": len(times),
+            "host_s": statistics.median(host)}
 
 
 def hbm_limit_s(model: nn.Module, shape: Shape, batch: int, context: int, kv_bytes_per_token: int) -> dict:

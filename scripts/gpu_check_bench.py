@@ -120,6 +120,8 @@ def run_benchmark(report, smoke: bool, device: str, deadline: float, workdir: st
                            "<= 2x at B=64" if b == decode_batches[1] else "",
                            _status(ratio <= 2.0) if b == decode_batches[1] else "",
                            bytes_per_step=limit["bytes"])
+                report.add(sec, f"decode step B={b} ({tag}): host ms (step less its wait for the device)",
+                           round(d["host_s"] * 1e3, 3))
         finally:
             del core
             _free(device)

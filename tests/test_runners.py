@@ -388,5 +388,6 @@ def test_capturer_slices_the_executing_runners_rows():
         slots = torch.arange(slot, slot + n)
         cap.commit(layout, slots)
         start = layout.padded_extent if layout.padded_extent is not None else layout.token_counts[0]
-        assert cap.store.gather(slots)[:, 0, 0].tolist() == list(range(start, start + n)), layout
+        # NOTE: a commit's rows reach the store when read (rows() flushes the pending copy)
+        assert cap.rows(slots, 0, n)[:, 0, 0].tolist() == list(range(start, start + n)), layout
         slot += n

@@ -19,6 +19,8 @@ from rollout.config import EngineConfig
 from rollout.core.cpu_threads import CpuThreads
 from rollout.core.engine_control import EngineControl
 from rollout.core.host_malloc import tune_glibc_malloc
+from rollout.core.host_reads import HostReads
+from rollout.core.host_staging import to_device
 from rollout.core.kv_pool import KVPool
 from rollout.ipc.messages import ReqUpdate, floats, ints
 from rollout.exec.model_runner import ModelRunner
@@ -106,6 +108,7 @@ class EngineCore(EngineControl):
         # NOTE: routing rows travel as int16 (logical ids and -1) unless the expert count needs int32
         self._routing_dtype = torch.int16 if self.info.num_experts < 2**15 else torch.int32
         self.outbox: list[ReqUpdate] = []
+        self.host_reads = HostReads()   # the step's one read of its device results (counted)
         self._backlog: deque[tuple[Req, str]] = deque()   # aborted waiting requests (and messages) not answered yet
         self._budget_end: Optional[float] = None   # perf_counter deadline of this step's control work
         self.stats = {"num_forwards": 0, "num_prefill_forwards": 0, "num_decode_forwards": 0,
@@ -239,31 +242,27 @@ class EngineCore(EngineControl):
             # come through a decode step too (chunked prefill): the general path above sees it.
             to_sample = range(len(batch.reqs))
             reqs = batch.reqs
-        logits = out.logits if len(to_sample) == out.logits.shape[0] else out.logits[list(to_sample)]
-        finite = torch.isfinite(logits).all(dim=-1)                                   # [B]
-        if not bool(finite.all()):
-            keep = finite.tolist()
-            for req, ok in zip(reqs, keep):
-                if not ok:
-                    self._fail_nonfinite(req, "the forward produced non-finite logits (NaN or inf)")
-            reqs = [r for r, ok in zip(reqs, keep) if ok]
-            if not reqs:
-                return
-            logits = logits[finite]
+        logits = out.logits
+        if len(to_sample) != logits.shape[0]:
+            logits = logits.index_select(0, to_device(torch.tensor(list(to_sample), dtype=torch.int64), logits.device))
         banned = None
         if any(len(r.output_ids) < r.params.min_new_tokens for r in reqs):
             banned = [self._banned_ids(r) for r in reqs]
+        # NOTE: every row is sampled, finite or not (rows are independent), so that the step reads
+        # its results once: ids, logprobs, finiteness (and top logprobs) in one transfer.
         result = sample(
             logits, [r.params for r in reqs], [r.seed for r in reqs], [r.seq_len for r in reqs],
             [r.output_ids for r in reqs], banned, [r.top_logprobs_num for r in reqs])
-        next_ids = result.next_ids.tolist()
-        logprobs = result.logprobs.tolist()
-        top = None
+        columns = [result.next_ids, result.logprobs, torch.isfinite(logits).all(dim=-1)]   # [B] each
         if result.top_ids is not None:
-            top = (result.top_logprobs.tolist(), result.top_ids.tolist())
-        self.stats["generated_tokens"] += len(reqs)
+            columns += [result.top_logprobs, result.top_ids]                                # [B, k] each
+        next_ids, logprobs, finite, *top = self.host_reads.read(columns)
         eos = self._eos_set
         for j, req in enumerate(reqs):
+            if not finite[j]:
+                self._fail_nonfinite(req, "the forward produced non-finite logits (NaN or inf)")
+                continue
+            self.stats["generated_tokens"] += 1
             if logprobs[j] != logprobs[j]:   # NaN: no finite distribution to sample from
                 self._fail_nonfinite(req, "sampling produced a NaN logprob (no finite distribution)")
                 continue

@@ -33,7 +33,7 @@ class ScheduledBatch:
     prefix_lens: list[int]
     out_cache_loc: torch.Tensor      # [sum(extend_lens)] new slots, request-major
     is_prefill: bool
-    kv_indices: torch.Tensor         # [B, max(prefix+extend)] int64 KV slots by position (stale past each length)
+    kv_indices: torch.Tensor         # [B, max(prefix+extend)] int64 KV slots by position (stale past each length), on the device
     # decode: (P, batch rows) of requests whose slots for positions 0 .. P-1 are the same (DecodeCascade)
     prefix_groups: tuple = ()
 
@@ -53,9 +53,10 @@ class Scheduler:
                  on_retract: Optional[Callable[[Req], None]] = None):
         self.kv_pool = kv_pool
         # NOTE: one row per admitted request; hold_admission lowers max_running_requests to 0
-        # at times, never above this. Host memory, like the rest of the scheduler's state:
-        # ForwardBatch.build moves each batch's slot table to the model's device.
-        self.req_to_token = ReqToTokenPool(num_rows=max(1, max_running_requests), width=context_length)
+        # at times, never above this. On the KV pool's device (a batch's kv_indices are gathered
+        # there), with a host copy for the scheduler's own reads.
+        self.req_to_token = ReqToTokenPool(num_rows=max(1, max_running_requests), width=context_length,
+                                           device=kv_pool.device)
         self.cache = cache
         self.max_running_requests = max_running_requests
         self.prefill_token_budget = prefill_token_budget

@@ -8,6 +8,8 @@ from typing import Optional, Sequence
 
 import torch
 
+from rollout.core.host_staging import to_device
+
 
 @dataclass(frozen=True)
 class AttentionSegment:
@@ -68,8 +70,9 @@ class AttentionSegment:
             width = max(seq_lens[lo:hi])
             q_pad_index = None
             if any(e != ext for e in extend_lens[lo:hi]):
-                q_pad_index = torch.cat([torch.arange(e) + i * ext for i, e in enumerate(extend_lens[lo:hi])]).to(device)
+                q_pad_index = to_device(torch.cat([torch.arange(e) + i * ext for i, e in enumerate(extend_lens[lo:hi])]),
+                                        device)
             out.append(AttentionSegment(lo=lo, hi=hi, tok_lo=starts[lo], tok_hi=starts[hi], extend=ext, width=width,
-                                        kv_flat=kv_indices[lo:hi, :width].reshape(-1).to(device),
+                                        kv_flat=to_device(kv_indices[lo:hi, :width].reshape(-1), device),
                                         q_pad_index=q_pad_index))
         return tuple(out)

@@ -2,12 +2,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any, Optional, Sequence
 
 import torch
 
 from rollout.exec.attention_segment import AttentionSegment
 from rollout.exec.decode_cascade import DecodeCascade
+from rollout.core.host_staging import stage, to_device
 from rollout.core.kv_pool import SINK_SLOT, KVPool
 
 
@@ -26,7 +28,6 @@ class ForwardBatch:
     extend_lens: torch.Tensor        # [B] int64, new tokens per request
     kv_indices: torch.Tensor         # [B, max_seq_len] int64; past a request's length: sink or stale slots (masked)
     q_pad_index: torch.Tensor        # [N] int64, flat index of each token in [B * max_extend]
-    attn_mask: torch.Tensor          # [B, 1, max_extend, max_seq_len] bool, True = attend
     logits_indices: torch.Tensor     # [B] int64, row of each request's last new token
     max_extend: int
     kv_pool: KVPool
@@ -41,6 +42,64 @@ class ForwardBatch:
     prefix_groups: tuple = ()        # eager decode: (shared length, batch rows) of requests sharing a prefix
     attention: Optional[Any] = None  # the engine's attention backend (None: PagedAttention's torch path)
     attention_plan: Optional[Any] = None   # what that backend prepared for this forward (bind)
+    # seq_lens / extend_lens as host ints (build has them): a backend planning on the host reads
+    # these, not the device tensors (no sync)
+    host_seq_lens: tuple = ()
+    host_extend_lens: tuple = ()
+
+    @cached_property
+    def attn_mask(self) -> torch.Tensor:
+        """[B, 1, max_extend, max_seq_len] bool, True = attend: made on first read, on the device,
+        from seq_lens and extend_lens (no host work, no sync; inside a CUDA graph it is part of the
+        graph). Only the torch paths read it (torch_attend, exact mode, MLA); the Triton and
+        FlashInfer backends never do, so their steps never make it."""
+        return self.grid_mask(0, self.batch_size, self.max_extend, self.kv_indices.shape[1], keep=True)
+
+    @property
+    def mask_built(self) -> bool:
+        """Whether this forward holds a mask (attn_mask or a kept segment mask)."""
+        return "attn_mask" in self.__dict__ or bool(self.__dict__.get("_kept_masks"))
+
+    def grid_mask(self, lo: int, hi: int, extend: int, width: int, q_lo: int = 0, *, keep: bool = False) -> torch.Tensor:
+        """attn_mask[lo:hi, :, q_lo:q_lo+extend, :width] made on its own (an AttentionSegment's
+        grid, or a block of its query rows: never the whole batch's) -> [hi-lo, 1, extend, width].
+        keep: made once for this forward (every layer reads the same); blocks of a long chunk are
+        not kept (that would hold the whole grid again)."""
+        if not keep:
+            return self._make_mask(lo, hi, extend, width, q_lo)
+        kept = self.__dict__.setdefault("_kept_masks", {})
+        key = (lo, hi, extend, width, q_lo)
+        if key not in kept:
+            kept[key] = self._make_mask(lo, hi, extend, width, q_lo)
+        return kept[key]
+
+    def _make_mask(self, lo: int, hi: int, extend: int, width: int, q_lo: int) -> torch.Tensor:
+        seq = self.seq_lens[lo:hi]
+        key_pos = torch.arange(width, device=seq.device)
+        if self.max_extend == 1:
+            # decode: one query per request, at position seq_len - 1, seeing keys 0 .. seq_len - 1
+            return (key_pos[None, :] < seq[:, None])[:, None, None, :]               # [b, 1, 1, S]
+        # query i of request b sits at position prefix_lens[b] + i and sees keys 0 .. that position
+        q_idx = torch.arange(q_lo, q_lo + extend, device=seq.device)
+        q_pos = (seq - self.extend_lens[lo:hi])[:, None] + q_idx[None, :]
+        mask = key_pos[None, None, :] <= q_pos[:, :, None]                              # [b, E, S]
+        mask &= key_pos[None, None, :] < seq[:, None, None]
+        # NOTE: padded query rows (i >= extend_lens[b]) must still see one key, else softmax is NaN.
+        mask[:, :, 0] = True
+        return mask[:, None]
+
+    def segment_mask(self, g: AttentionSegment, attn_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The mask of segment g: its own grid (made alone), or its part of attn_mask (a sliding
+        window's) -> [g.hi - g.lo, 1, g.extend, g.width]."""
+        if attn_mask is None:
+            return self.grid_mask(g.lo, g.hi, g.extend, g.width, keep=True)
+        return attn_mask[g.lo:g.hi, :, :g.extend, :g.width]
+
+    def lens_on_host(self) -> tuple[list[int], list[int]]:
+        """(seq_lens, extend_lens) as host ints: the ones build kept, else read from the device."""
+        if len(self.host_seq_lens) == self.batch_size:
+            return list(self.host_seq_lens), list(self.host_extend_lens)
+        return self.seq_lens.tolist(), self.extend_lens.tolist()
 
     @property
     def num_tokens(self) -> int:
@@ -58,8 +117,7 @@ class ForwardBatch:
         none = torch.zeros(0, dtype=torch.int64, device=dev)
         return ForwardBatch(
             input_ids=none, positions=none, out_cache_loc=none, seq_lens=none, extend_lens=none,
-            kv_indices=torch.zeros((0, 1), dtype=torch.int64, device=dev), q_pad_index=none,
-            attn_mask=torch.ones((0, 1, 1, 1), dtype=torch.bool, device=dev), logits_indices=none,
+            kv_indices=torch.zeros((0, 1), dtype=torch.int64, device=dev), q_pad_index=none, logits_indices=none,
             max_extend=1, kv_pool=kv_pool, capture=capture)
 
     @staticmethod
@@ -85,13 +143,10 @@ class ForwardBatch:
         kv_indices = kv_indices[:, :max_seq]
         dev = torch.device(device)
         seq_t = torch.tensor(seq_lens, dtype=torch.int64)
-        key_pos = torch.arange(max_seq)
         if max_ext == 1:
-            # decode: one query per request, at position seq_len - 1, seeing keys 0 .. seq_len - 1
             rows = torch.arange(bsz)
             positions, q_pad_index, logits_indices = seq_t - 1, rows, rows
             ext = torch.ones(bsz, dtype=torch.int64)
-            mask = (key_pos[None, :] < seq_t[:, None])[:, None, None, :]             # [B, 1, 1, S]
         else:
             ext = torch.tensor(extend_lens, dtype=torch.int64)
             pre = torch.tensor(prefix_lens, dtype=torch.int64)
@@ -100,13 +155,6 @@ class ForwardBatch:
             idx_in_req = torch.arange(int(ext.sum())) - starts[req_of_token]            # [N]
             positions = pre[req_of_token] + idx_in_req
             q_pad_index = req_of_token * max_ext + idx_in_req
-            # query i of request b sits at position prefix_lens[b] + i and sees keys 0 .. that position
-            q_pos = pre[:, None] + torch.arange(max_ext)[None, :]                        # [B, max_ext]
-            mask = key_pos[None, None, :] <= q_pos[:, :, None]                           # [B, max_ext, max_seq]
-            mask &= key_pos[None, None, :] < seq_t[:, None, None]
-            # NOTE: padded query rows (i >= extend_lens[b]) must still see one key, else softmax is NaN.
-            mask[:, :, 0] = True
-            mask = mask[:, None]
             logits_indices = starts + ext - 1
         segments: tuple[AttentionSegment, ...] = ()
         cascade = None
@@ -114,20 +162,18 @@ class ForwardBatch:
             cascade = DecodeCascade.build(prefix_groups, seq_lens, kv_indices, kv_pool.dtype, dev)
         if segment_attention and cascade is None:
             segments = AttentionSegment.split(extend_lens, seq_lens, kv_indices, dev)
+        # NOTE: the per-step vectors travel as one (pinned, non_blocking on CUDA) copy
+        ids_d, pos_d, loc_d, seq_d, ext_d, qpad_d, logit_d = stage(
+            (torch.tensor(input_ids, dtype=torch.int64), positions, out_cache_loc, seq_t, ext, q_pad_index,
+             logits_indices), dev)
         return ForwardBatch(
-            input_ids=torch.tensor(input_ids, dtype=torch.int64, device=dev),
-            positions=positions.to(dev),
-            out_cache_loc=out_cache_loc.to(dev),
-            seq_lens=seq_t.to(dev),
-            extend_lens=ext.to(dev),
-            kv_indices=kv_indices.to(dev),
-            q_pad_index=q_pad_index.to(dev),
-            attn_mask=mask.to(dev),
-            logits_indices=logits_indices.to(dev),
+            input_ids=ids_d, positions=pos_d, out_cache_loc=loc_d, seq_lens=seq_d, extend_lens=ext_d,
+            kv_indices=to_device(kv_indices, dev), q_pad_index=qpad_d, logits_indices=logit_d,
             max_extend=max_ext,
             kv_pool=kv_pool,
             capture=capture,
             segments=segments,
             cascade=cascade,
             prefix_groups=tuple(prefix_groups) if segment_attention and max_ext == 1 else (),
+            host_seq_lens=tuple(seq_lens), host_extend_lens=tuple(extend_lens),
         )

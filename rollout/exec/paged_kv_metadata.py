@@ -24,6 +24,8 @@ from typing import Optional, Sequence
 
 import torch
 
+from rollout.core.host_staging import to_device
+
 
 @dataclass(frozen=True)
 class PagedKVLevel:
@@ -49,12 +51,18 @@ class PagedKVMetadata:
         return len(self.levels) > 1
 
 
-def _level(qo_lens: Sequence[int], kv_rows: list[torch.Tensor], device: torch.device) -> PagedKVLevel:
+def _level(qo_lens: Sequence[int], spans: list[tuple[int, int, int]], kv_flat: torch.Tensor, width: int,
+           device: torch.device) -> PagedKVLevel:
+    """spans[r] = (batch row, lo, hi): entry r's keys are that row's slots at positions lo .. hi-1."""
     def indptr(lens: Sequence[int]) -> torch.Tensor:
-        return torch.tensor([0, *accumulate(lens)], dtype=torch.int32, device=device)
+        return to_device(torch.tensor([0, *accumulate(lens)], dtype=torch.int32), device)
 
-    kv_lens = [int(r.numel()) for r in kv_rows]
-    indices = torch.cat(kv_rows) if kv_rows else torch.zeros(0, dtype=torch.int64)
+    kv_lens = [hi - lo for _, lo, hi in spans]
+    # NOTE: the cells to read are known on the host (lengths), so the slots are one gather on the
+    # table's device: no copy of the table to the host
+    flat = torch.cat([torch.arange(lo, hi) + row * width for row, lo, hi in spans]) if spans else \
+        torch.zeros(0, dtype=torch.int64)
+    indices = kv_flat.index_select(0, to_device(flat, kv_flat.device))
     return PagedKVLevel(qo_indptr=indptr(qo_lens), kv_indptr=indptr(kv_lens),
                         kv_indices=indices.to(device=device, dtype=torch.int32),
                         kv_last_page_len=torch.ones(len(kv_lens), dtype=torch.int32, device=device),
@@ -68,12 +76,14 @@ def paged_kv_metadata(*, extend_lens: Sequence[int], seq_lens: Sequence[int], kv
     position (host or device); prefix_groups: (shared length P, batch rows) of requests whose
     first P slots are the same, used only when every request has one new token (decode)."""
     dev = torch.device(device)
-    table = kv_indices.cpu()
+    width = int(kv_indices.shape[1])
+    kv_flat = kv_indices.reshape(-1)                                         # [B * width]
     bsz = len(seq_lens)
     groups = [(int(p), list(m)) for p, m in prefix_groups if len(m) > 1 and p > 0]
     if not groups or any(e != 1 for e in extend_lens):
-        rows = [table[b, :seq_lens[b]] for b in range(bsz)]
-        return PagedKVMetadata(levels=(_level(list(extend_lens), rows, dev),), order=None, causal=True)
+        spans = [(b, 0, int(seq_lens[b])) for b in range(bsz)]
+        return PagedKVMetadata(levels=(_level(list(extend_lens), spans, kv_flat, width, dev),), order=None,
+                               causal=True)
     grouped = {r for _, m in groups for r in m}
     assert len(grouped) == sum(len(m) for _, m in groups), "a request is in two prefix groups"
     # NOTE: a request outside every group: its first key is its own "prefix" (no empty level entry)
@@ -82,9 +92,10 @@ def paged_kv_metadata(*, extend_lens: Sequence[int], seq_lens: Sequence[int], kv
     for p, members in groups:
         assert all(p < seq_lens[r] for r in members), "a shared prefix must leave each member its own keys"
         order += members
-        prefix.append(table[members[0], :p])
+        prefix.append((members[0], 0, p))
         shared += [p] * len(members)
-    own = [table[r, p:seq_lens[r]] for r, p in zip(order, shared)]
+    own = [(r, p, int(seq_lens[r])) for r, p in zip(order, shared)]
     return PagedKVMetadata(
-        levels=(_level([len(m) for _, m in groups], prefix, dev), _level([1] * bsz, own, dev)),
-        order=torch.tensor(order, dtype=torch.int64, device=dev), causal=False)
+        levels=(_level([len(m) for _, m in groups], prefix, kv_flat, width, dev),
+                _level([1] * bsz, own, kv_flat, width, dev)),
+        order=to_device(torch.tensor(order, dtype=torch.int64), dev), causal=False)

@@ -14,6 +14,7 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
+from rollout.core.host_staging import to_device
 from rollout.sampling_params import SamplingParams
 
 # splitmix64 (Steele, Lea, Flood 2014) constants; numpy's uint64 arithmetic wraps like the original.
@@ -65,7 +66,7 @@ def _apply_penalties(logits: torch.Tensor, params: Sequence[SamplingParams],
     vocab = logits.shape[1]
     for i in rows:  # NOTE: only rows that ask for penalties; most RL requests skip this loop.
         p = params[i]
-        counts = torch.bincount(torch.tensor(output_ids[i], dtype=torch.int64, device=logits.device),
+        counts = torch.bincount(to_device(torch.tensor(output_ids[i], dtype=torch.int64), logits.device),
                                 minlength=vocab)[:vocab]
         seen = counts > 0
         row = logits[i]
@@ -103,16 +104,17 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams], seeds: Sequen
     None when no row bans any."""
     logits = logits.float()
     bsz, vocab = logits.shape
-    dev = logits.device   # NOTE: every tensor made here goes there (the noise is hashed on the host)
+    dev = logits.device   # NOTE: every tensor made here goes there (the noise is hashed on the host), staged
     first = params[0]
     uniform = all(map(first.sampler_key.__eq__, map(_SAMPLER_KEY, params)))  # the usual RL batch
     if not uniform or first.has_penalty:
         logits = _apply_penalties(logits, params, output_ids)
     if banned_ids is not None and any(banned_ids):
-        logits = logits.clone()
-        for i, ids in enumerate(banned_ids):
-            if ids:
-                logits[i, list(ids)] = float("-inf")
+        rows = [i for i, ids in enumerate(banned_ids) for _ in ids]
+        cols = [t for ids in banned_ids for t in ids]
+        logits = logits.clone().index_put_((to_device(torch.tensor(rows, dtype=torch.int64), dev),
+                                            to_device(torch.tensor(cols, dtype=torch.int64), dev)),
+                                           torch.full((), float("-inf"), dtype=logits.dtype, device=dev))
     if uniform:
         is_greedy = [first.is_greedy] * bsz
         temp = first.sampler_key[1]
@@ -122,15 +124,16 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams], seeds: Sequen
     else:
         is_greedy = [p.is_greedy for p in params]
         temps = [1.0 if g else p.temperature for p, g in zip(params, is_greedy)]
-        scaled = logits / torch.tensor(temps, dtype=torch.float32, device=dev)[:, None]
+        scaled = logits / to_device(torch.tensor(temps, dtype=torch.float32), dev)[:, None]
         needs_trunc = [(not g) and (p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0) for p, g in zip(params, is_greedy)]
         modes = {p.logprob_mode for p in params}
     if needs_trunc[0] if uniform else any(needs_trunc):
-        top_k = torch.tensor([p.top_k if t else -1 for p, t in zip(params, needs_trunc)], dtype=torch.int64, device=dev)
-        top_p = torch.tensor([p.top_p if t else 1.0 for p, t in zip(params, needs_trunc)], dtype=torch.float32,
-                             device=dev)
-        min_p = torch.tensor([p.min_p if t else 0.0 for p, t in zip(params, needs_trunc)], dtype=torch.float32,
-                             device=dev)
+        top_k = to_device(torch.tensor([p.top_k if t else -1 for p, t in zip(params, needs_trunc)],
+                                       dtype=torch.int64), dev)
+        top_p = to_device(torch.tensor([p.top_p if t else 1.0 for p, t in zip(params, needs_trunc)],
+                                       dtype=torch.float32), dev)
+        min_p = to_device(torch.tensor([p.min_p if t else 0.0 for p, t in zip(params, needs_trunc)],
+                                       dtype=torch.float32), dev)
         processed = _truncate(scaled, top_k, top_p, min_p)
     else:
         processed = scaled
@@ -138,9 +141,9 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams], seeds: Sequen
     if all(is_greedy):
         next_ids = torch.argmax(logits, dim=-1)
     else:
-        next_ids = inverse_cdf(processed_lp, counter_uniform(seeds, positions).to(dev))
+        next_ids = inverse_cdf(processed_lp, to_device(counter_uniform(seeds, positions), dev))
         if any(is_greedy):
-            next_ids = torch.where(torch.tensor(is_greedy, device=dev), torch.argmax(logits, dim=-1), next_ids)
+            next_ids = torch.where(to_device(torch.tensor(is_greedy), dev), torch.argmax(logits, dim=-1), next_ids)
     per_mode = {}
     if "raw" in modes:
         per_mode["raw"] = torch.log_softmax(logits, dim=-1)

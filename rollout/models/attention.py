@@ -1,12 +1,18 @@
 """PagedAttention: attention over a request's KV slots in the KVPool, batched with padding."""
 from __future__ import annotations
 
+from functools import partial
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from rollout import exact as exact_ops
 from rollout.exec.forward_batch import ForwardBatch
+
+
+MASK_BLOCK_CELLS = 1 << 24   # query x key cells of one mask block (16 MiB of bool)
 
 
 class PagedAttention(nn.Module):
@@ -69,30 +75,47 @@ class PagedAttention(nn.Module):
         """The torch path (and every kernel's reference): SDPA over the step's own attention grid."""
         if fb.cascade is not None and attn_mask is None:
             return fb.cascade.attend(q, fb.kv_pool.kv_buffers[self.layer_id], self.scale)
-        mask = fb.attn_mask if attn_mask is None else attn_mask              # [B, 1, E, S]
         if fb.segments:
             return torch.cat([
-                self._grid(q[g.tok_lo:g.tok_hi], g.kv_flat, g.hi - g.lo, g.extend, g.q_pad_index,
-                           mask[g.lo:g.hi, :, :g.extend, :g.width], fb.kv_pool)
+                self._grid(q[g.tok_lo:g.tok_hi], g.kv_flat, g.hi - g.lo, g.extend, g.width, g.q_pad_index,
+                           fb.segment_mask(g, attn_mask) if attn_mask is not None else partial(fb.grid_mask, g.lo, g.hi),
+                           fb.kv_pool)
                 for g in fb.segments])
         bsz = fb.kv_indices.shape[0]
         full = q.shape[0] == bsz * fb.max_extend
-        return self._grid(q, fb.kv_indices.reshape(-1), bsz, fb.max_extend, None if full else fb.q_pad_index,
-                          mask, fb.kv_pool)
+        mask = attn_mask if attn_mask is not None else partial(fb.grid_mask, 0, bsz)
+        return self._grid(q, fb.kv_indices.reshape(-1), bsz, fb.max_extend, fb.kv_indices.shape[1],
+                          None if full else fb.q_pad_index, mask, fb.kv_pool)
 
-    def _grid(self, q: torch.Tensor, slots: torch.Tensor, bsz: int, extend: int,
-              q_pad_index: torch.Tensor | None, mask: torch.Tensor, pool) -> torch.Tensor:
+    def _grid(self, q: torch.Tensor, slots: torch.Tensor, bsz: int, extend: int, seq: int,
+              q_pad_index: torch.Tensor | None, mask: torch.Tensor | Callable, pool) -> torch.Tensor:
         """q [N, H, D] of bsz requests, request b's queries at grid rows b*extend + i (q_pad_index;
-        None: N == bsz * extend), keys at slots [bsz * S] (request-major), mask [bsz, 1, extend, S]
-        -> [N, H*D]."""
-        n, h, d = q.shape
-        kvh, seq = self.num_kv_heads, mask.shape[-1]
+        None: N == bsz * extend), keys at slots [bsz * seq] (request-major), mask [bsz, 1, extend, seq]
+        or mask(rows, width, q_lo, keep=...) making its query rows q_lo .. q_lo+rows-1 -> [N, H*D].
+
+        NOTE: one request's long chunk (extend x S past MASK_BLOCK_CELLS) attends in blocks of
+        query rows, each with its own mask, so the mask never takes more than that."""
         # NOTE: padded key columns read the sink slot or a stale slot; they are masked out, but
         # must hold finite values (0 * NaN is NaN after softmax): every slot only ever holds real k/v.
         # (index_select, not advanced indexing: several times faster for this row gather on CPU;
         # a slot's key and value side by side: one gather for both)
-        kv = pool.kv_buffers[self.layer_id].index_select(0, slots).view(bsz, seq, 2, kvh, d).to(q.dtype)
+        kv = pool.kv_buffers[self.layer_id].index_select(0, slots).view(bsz, seq, 2, self.num_kv_heads, q.shape[2])
+        kv = kv.to(q.dtype)
         keys, values = kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)  # [B, kvH, S, D]
+        if not callable(mask):
+            return self._sdpa(q, keys, values, bsz, extend, q_pad_index, mask)
+        if bsz > 1 or q_pad_index is not None or extend * seq <= MASK_BLOCK_CELLS:
+            return self._sdpa(q, keys, values, bsz, extend, q_pad_index, mask(extend, seq, 0, keep=True))
+        rows = max(1, MASK_BLOCK_CELLS // seq)
+        return torch.cat([self._sdpa(q[i:i + rows], keys, values, 1, min(rows, extend - i), None,
+                                     mask(min(rows, extend - i), seq, i))
+                          for i in range(0, extend, rows)])
+
+    def _sdpa(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bsz: int, extend: int,
+              q_pad_index: torch.Tensor | None, mask: torch.Tensor) -> torch.Tensor:
+        """q [N, H, D] over keys / values [B, kvH, S, D] under mask [B, 1, extend, S] -> [N, H*D]."""
+        n, h, d = q.shape
+        kvh = self.num_kv_heads
         if extend == 1 and q_pad_index is None and kvh != h:
             # decode with GQA: each kv head's query heads become its query rows (same math, and
             # the CPU kernel is faster than with enable_gqa)
@@ -109,6 +132,11 @@ class PagedAttention(nn.Module):
                                              enable_gqa=h != kvh)              # [B, H, E, D]
         out = out.transpose(1, 2).reshape(bsz * extend, h * d)
         return out if q_pad_index is None else out[q_pad_index]
+
+    def reads_mask(self, fb: ForwardBatch) -> bool:
+        """Whether this layer's attend reads masks (the torch paths); the kernels of a backend
+        whose `reads_mask` is False never do."""
+        return self.exact or fb.attention is None or fb.attention.reads_mask
 
     @staticmethod
     def sliding_window_mask(fb: ForwardBatch, window: int) -> torch.Tensor:

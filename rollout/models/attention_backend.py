@@ -58,6 +58,7 @@ class TritonAttentionBackend:
     eager decode step whose requests share prefixes, the cascade."""
 
     name = "triton"
+    reads_mask = False   # the kernels mask by seq_lens / extend_lens and the layer's window
 
     def __init__(self, *, num_splits: Optional[int] = None):
         self.num_splits = num_splits   # decode splits over the KV length; None: by device and batch
@@ -68,20 +69,21 @@ class TritonAttentionBackend:
     def bind(self, fb: ForwardBatch, *, static: bool) -> ForwardBatch:
         plan = None
         if not static and fb.prefix_groups and fb.max_extend == 1:
-            meta = paged_kv_metadata(extend_lens=[1] * fb.batch_size, seq_lens=fb.seq_lens.tolist(),
+            meta = paged_kv_metadata(extend_lens=[1] * fb.batch_size, seq_lens=fb.lens_on_host()[0],
                                      kv_indices=fb.kv_indices, prefix_groups=fb.prefix_groups,
                                      device=fb.kv_indices.device)
             plan = meta if meta.is_cascade else None
         return dataclasses.replace(fb, attention=self, attention_plan=plan)
 
     def attend(self, attn: Any, q: torch.Tensor, fb: ForwardBatch, attn_mask: Optional[torch.Tensor]) -> torch.Tensor:
-        """attn: the layer's PagedAttention; attn_mask given only for sliding-window layers."""
+        """attn: the layer's PagedAttention (its sliding_window is the kernels' window); attn_mask is
+        None (attention_masks makes none for a backend that reads none)."""
         from rollout.exec.cascade_attention_kernel import cascade_decode_attention  # noqa: PLC0415
         from rollout.models.decode_attention_kernel import decode_attention  # noqa: PLC0415
         from rollout.models.extend_attention_kernel import extend_attention  # noqa: PLC0415
 
         kv = fb.kv_pool.kv_buffers[attn.layer_id]
-        window = attn.sliding_window if attn_mask is not None else None
+        window = attn.sliding_window
         if fb.num_tokens == 0:
             return q.new_zeros(0, q.shape[1] * q.shape[2])
         if fb.attention_plan is not None and window is None:

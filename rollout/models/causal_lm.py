@@ -81,11 +81,13 @@ class MoeCausalLM(nn.Module):
         return x, cos, sin
 
     def attention_masks(self, fb: ForwardBatch) -> list[torch.Tensor | None]:
-        """Per layer: None (fb.attn_mask) or its sliding-window mask (one per distinct window)."""
+        """Per layer: None (fb.attn_mask) or its sliding-window mask (one per distinct window);
+        None for layers whose attention reads no mask (a kernel backend knows the layer's window)."""
         by_window: dict[int, torch.Tensor] = {}
         masks: list[torch.Tensor | None] = []
         for layer in self.model.layers:
-            window = layer.self_attn.attn.sliding_window
+            attn = layer.self_attn.attn
+            window = attn.sliding_window if attn.reads_mask(fb) else None
             if window is not None and window not in by_window:
                 by_window[window] = PagedAttention.sliding_window_mask(fb, window)
             masks.append(None if window is None else by_window[window])

@@ -37,6 +37,7 @@ class FlashInferPlan:
 
 class FlashInferAttentionBackend:
     name = "flashinfer"
+    reads_mask = False   # the wrappers mask by their plan and window_left
 
     def __init__(self, *, device: torch.device, num_heads: int, num_kv_heads: int, head_dim: int,
                  windows: set, dtype: torch.dtype):
@@ -73,7 +74,8 @@ class FlashInferAttentionBackend:
     def bind(self, fb: ForwardBatch, *, static: bool) -> ForwardBatch:
         if fb.num_tokens == 0:
             return dataclasses.replace(fb, attention=self, attention_plan=None)
-        meta = paged_kv_metadata(extend_lens=fb.extend_lens.tolist(), seq_lens=fb.seq_lens.tolist(),
+        seq_lens, extend_lens = fb.lens_on_host()
+        meta = paged_kv_metadata(extend_lens=extend_lens, seq_lens=seq_lens,
                                  kv_indices=fb.kv_indices, prefix_groups=() if static else fb.prefix_groups,
                                  device=self.device)
         common = dict(q_data_type=self.dtype, kv_data_type=self.dtype, sm_scale=self.scale)
@@ -109,11 +111,11 @@ class FlashInferAttentionBackend:
         plan: FlashInferPlan = fb.attention_plan
         kv = fb.kv_pool.kv_buffers[attn.layer_id]
         paged = kv.view(kv.shape[0], 2, 1, kv.shape[2], kv.shape[3])          # [pages, 2, 1, kvH, D]
-        window = attn.sliding_window if attn_mask is not None else None
+        window = attn.sliding_window
         if plan.kind == "cascade" and window is not None:
             # NOTE: the cascade is planned for full attention only; a sliding-window layer in a
-            # cascade step uses the reference path
-            return attn.torch_attend(q, fb, attn_mask)
+            # cascade step uses the reference path (with the mask it makes for itself)
+            return attn.torch_attend(q, fb, attn.sliding_window_mask(fb, window))
         if plan.kind == "cascade":
             order = plan.meta.order
             out = plan.wrappers[None].run(q.index_select(0, order), paged)

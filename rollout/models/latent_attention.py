@@ -29,6 +29,9 @@ class LatentAttention(nn.Module):
         self.width = kv_lora_rank + rope_dim
         self.scale = scale
 
+    def reads_mask(self, fb: ForwardBatch) -> bool:
+        return True   # NOTE: MLA always attends with torch (no kernel backend is bound for it)
+
     def write_latent(self, latent: torch.Tensor, fb: ForwardBatch) -> None:
         """latent [N, R + P] (normed latent, rotated rope key) at fb.out_cache_loc (token-wise)."""
         fb.kv_pool.write_latent(self.layer_id, fb.out_cache_loc, latent)
@@ -38,13 +41,13 @@ class LatentAttention(nn.Module):
 
         NOTE: a DecodeCascade (fb.cascade) is built for the GQA layout; MLA ignores it and attends
         over the step's whole grid, which fb always carries."""
-        mask = fb.attn_mask if attn_mask is None else attn_mask             # [B, 1, E, S]
         pool = fb.kv_pool.kv_buffers[self.layer_id]
         if fb.segments and fb.cascade is None and not self.exact:
             return torch.cat([
                 self._grid(q[g.tok_lo:g.tok_hi], pool, g.kv_flat, g.hi - g.lo, g.extend, g.q_pad_index,
-                           mask[g.lo:g.hi, :, :g.extend, :g.width])
+                           fb.segment_mask(g, attn_mask))
                 for g in fb.segments])
+        mask = fb.attn_mask if attn_mask is None else attn_mask             # [B, 1, E, S]
         bsz = fb.kv_indices.shape[0]
         full = q.shape[0] == bsz * fb.max_extend
         return self._grid(q, pool, fb.kv_indices.reshape(-1), bsz, fb.max_extend,

@@ -63,17 +63,18 @@ class CudaGraphBackend(GraphBackend):
     def capture(self, key: Hashable, fb: ForwardBatch, variant: tuple[tuple[str, str], ...] = ()) -> None:
         assert key not in self.graphs, key
         # NOTE: no host syncs inside a graph: the MoE takes a sync-free path (FusedExperts.choose_impl).
-        fb = dataclasses.replace(fb, graph_safe=True)
+        # NOTE: a fresh ForwardBatch per call: what it makes lazily (attn_mask) must be made inside
+        # the graph, from the static buffers, not cached from a warm-up run outside it.
         with record_function(f"graph_variant[{variant_label(variant)}]"):
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
                 for _ in range(self.WARMUP_RUNS):
-                    self.model(fb)
+                    self.model(dataclasses.replace(fb, graph_safe=True))
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool.handle):
-                out = self.model(fb)
+                out = self.model(dataclasses.replace(fb, graph_safe=True))
             self.pool.adopt(graph)
         self.graphs[key] = (graph, out)
 

@@ -51,7 +51,8 @@ def padded_forward_batch(batch: Optional[Any], *, kv_pool: KVPool, device: torch
     else:
         # padding requests read and write only the sink slot
         width = max(p + e for p, e in zip(prefix_lens, extend_lens))
-        kv_indices = torch.full((len(extend_lens), width), SINK_SLOT, dtype=torch.int64)
+        kv_indices = torch.full((len(extend_lens), width), SINK_SLOT, dtype=torch.int64,
+                                device=batch.kv_indices.device if real else device)
         if real:
             kv_indices[:real, :batch.kv_indices.shape[1]] = batch.kv_indices
     return ForwardBatch.build(input_ids=input_ids, out_cache_loc=locs[0] if len(locs) == 1 else torch.cat(locs),

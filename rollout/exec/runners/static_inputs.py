@@ -33,8 +33,9 @@ class StaticInputs:
         if requests is not None:
             self.seq_lens, self.extend_lens, self.logits_indices = longs(requests), longs(requests), longs(requests)
         if seq_capacity is not None:
+            # NOTE: no static mask: ForwardBatch.attn_mask is made from the static seq_lens when a
+            # torch path reads it (inside the graph, under CUDA graphs)
             self.kv_indices = torch.full((requests, seq_capacity), SINK_SLOT, dtype=torch.int64, device=dev)
-            self.attn_mask = torch.zeros((requests, 1, 1, seq_capacity), dtype=torch.bool, device=dev)
 
     @property
     def static_grid(self) -> bool:
@@ -59,7 +60,5 @@ class StaticInputs:
             assert fb.max_extend == 1 and seq <= self.seq_capacity, (fb.max_extend, seq, self.seq_capacity)
             self.kv_indices[:, :seq].copy_(fb.kv_indices)
             self.kv_indices[:, seq:].fill_(SINK_SLOT)
-            self.attn_mask[..., :seq].copy_(fb.attn_mask)
-            self.attn_mask[..., seq:].fill_(False)
-            views["kv_indices"], views["attn_mask"] = self.kv_indices, self.attn_mask
+            views["kv_indices"] = self.kv_indices
         return dataclasses.replace(fb, **views)
