@@ -12,7 +12,7 @@ pairs, ...). A tile of keys that a query may not see contributes exactly 0, and 
 leaves the sum unchanged, so the result does not depend on how many tiles the grid has: a decode
 step over L keys, a chunked prefill, a prefix-cache hit and a full-sequence forward (a trainer's)
 give the same bits for the same query, and which other rows share its query tile changes nothing
-(tests/test_exact_ops.py checks the row positions and grid widths).
+(tests/test_exact_attention.py checks row positions, grid widths and heads as rows).
 """
 from __future__ import annotations
 
