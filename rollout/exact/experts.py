@@ -34,16 +34,25 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     if rows:
         order = order[:rows]                                                   # held rows only
         tiles = (counts + ROW_TILE - 1) // ROW_TILE                            # [E] tiles per expert
+        # NOTE: when no expert needs two tiles (a decode batch) every expert gets exactly one, and
+        # the products take the weights as they are (no per-tile copy of them): each tile is the
+        # same [ROW_TILE, H] x [H, 2I] product either way, so the same bits
+        one_each = int(tiles.max()) <= 1
+        if one_each:
+            tiles = torch.ones_like(tiles)
         padded_start = (torch.cumsum(tiles, 0) - tiles) * ROW_TILE             # [E] first padded row
         start = torch.cumsum(counts, 0) - counts                               # [E] first sorted row
         expert = group.index_select(0, order)                                  # [rows]
         slot = padded_start.index_select(0, expert) + torch.arange(rows, device=x.device) - start.index_select(0, expert)
         total = int(tiles.sum()) * ROW_TILE
         xp = x.new_zeros(total, hidden).index_copy_(0, slot, x.index_select(0, order // k))
-        tile_expert = torch.repeat_interleave(torch.arange(e, device=x.device), tiles)       # [tiles]
-        gate, up = torch.bmm(xp.view(-1, ROW_TILE, hidden),
-                             w13.index_select(0, tile_expert).transpose(1, 2)).chunk(2, dim=-1)  # [tiles, ROW_TILE, I]
-        y = torch.bmm(silu(gate) * up, w2.index_select(0, tile_expert).transpose(1, 2))     # [tiles, ROW_TILE, H]
+        if one_each:
+            w_up, w_down = w13, w2
+        else:
+            tile_expert = torch.repeat_interleave(torch.arange(e, device=x.device), tiles)   # [tiles]
+            w_up, w_down = w13.index_select(0, tile_expert), w2.index_select(0, tile_expert)
+        gate, up = torch.bmm(xp.view(-1, ROW_TILE, hidden), w_up.transpose(1, 2)).chunk(2, dim=-1)  # [tiles, ROW_TILE, I]
+        y = torch.bmm(silu(gate) * up, w_down.transpose(1, 2))                 # [tiles, ROW_TILE, H]
         y = y.view(total, hidden).index_select(0, slot)                        # [rows, H] sorted order
         y = y * topk_weights.reshape(-1).index_select(0, order)[:, None].to(y.dtype)
         terms.index_copy_(0, order, y)

@@ -22,7 +22,7 @@ class PagedAttention(nn.Module):
     gathered from the pool as [B, max_seq] (fb.kv_indices) and one SDPA call covers the batch.
     """
 
-    exact = False   # rollout.exact.attention over the step's whole grid (deterministic inference)
+    exact = False   # rollout.exact.attention (deterministic inference)
 
     def __init__(self, *, layer_id: int, num_heads: int, num_kv_heads: int, head_dim: int,
                  sliding_window: int | None = None):
@@ -47,33 +47,15 @@ class PagedAttention(nn.Module):
 
     def attend(self, q: torch.Tensor, fb: ForwardBatch, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
         """q [N, H, D] over the KV already in the pool -> [N, H*D], through the engine's attention
-        backend (fb.attention: Triton or FlashInfer kernels) or, without one, torch."""
-        if self.exact:
-            return self.exact_attend(q, fb, attn_mask)
-        if fb.attention is not None:
+        backend (fb.attention: Triton or FlashInfer kernels) or, without one, torch. Deterministic
+        inference (exact): rollout.exact.attention over the same grids as torch (no cascade)."""
+        if fb.attention is not None and not self.exact:
             return fb.attention.attend(self, q, fb, attn_mask)
         return self.torch_attend(q, fb, attn_mask)
 
-    def exact_attend(self, q: torch.Tensor, fb: ForwardBatch, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """Batch-invariant: rollout.exact.attention over the whole grid (no segments, no cascade)."""
-        mask = fb.attn_mask if attn_mask is None else attn_mask              # [B, 1, E, S]
-        bsz, extend, seq = fb.kv_indices.shape[0], fb.max_extend, mask.shape[-1]
-        n, h, d = q.shape
-        kvh = self.num_kv_heads
-        kv = fb.kv_pool.kv_buffers[self.layer_id].index_select(0, fb.kv_indices.reshape(-1))
-        kv = kv.view(bsz, seq, 2, kvh, d).to(q.dtype)
-        keys = kv[:, :, 0].transpose(1, 2).repeat_interleave(h // kvh, dim=1)  # [B, H, S, D]
-        values = kv[:, :, 1].transpose(1, 2).repeat_interleave(h // kvh, dim=1)
-        full = n == bsz * extend
-        q_pad = q if full else q.new_zeros(bsz * extend, h, d).index_copy_(0, fb.q_pad_index, q)
-        out = exact_ops.attention(q_pad.view(bsz, extend, h, d).transpose(1, 2), keys, values, mask,
-                                  self.scale)                                 # [B, H, E, D]
-        out = out.transpose(1, 2).reshape(bsz * extend, h * d)
-        return out if full else out.index_select(0, fb.q_pad_index)
-
     def torch_attend(self, q: torch.Tensor, fb: ForwardBatch, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
         """The torch path (and every kernel's reference): SDPA over the step's own attention grid."""
-        if fb.cascade is not None and attn_mask is None:
+        if fb.cascade is not None and attn_mask is None and not self.exact:
             return fb.cascade.attend(q, fb.kv_pool.kv_buffers[self.layer_id], self.scale)
         if fb.segments:
             return torch.cat([
@@ -95,6 +77,10 @@ class PagedAttention(nn.Module):
 
         NOTE: one request's long chunk (extend x S past MASK_BLOCK_CELLS) attends in blocks of
         query rows, each with its own mask, so the mask never takes more than that."""
+        if self.exact:
+            if callable(mask):
+                mask = mask(extend, seq, 0, keep=True)
+            return self._exact_grid(q, slots, bsz, extend, q_pad_index, mask, pool)
         # NOTE: padded key columns read the sink slot or a stale slot; they are masked out, but
         # must hold finite values (0 * NaN is NaN after softmax): every slot only ever holds real k/v.
         # (index_select, not advanced indexing: several times faster for this row gather on CPU;
@@ -138,6 +124,25 @@ class PagedAttention(nn.Module):
         whose `reads_mask` is False never do."""
         return self.exact or fb.attention is None or fb.attention.reads_mask
 
+    def _exact_grid(self, q: torch.Tensor, slots: torch.Tensor, bsz: int, extend: int,
+                    q_pad_index: torch.Tensor | None, mask: torch.Tensor, pool) -> torch.Tensor:
+        """_grid's batch-invariant form: each kv head's query rows are the (query token, head of its
+        group) pairs, so the keys are not repeated per head; keys gathered whole key tiles wide."""
+        n, h, d = q.shape
+        kvh = self.num_kv_heads
+        grp = h // kvh
+        slots, mask = pad_keys_to_tiles(slots, mask, bsz)
+        seq = mask.shape[-1]
+        kv = pool.kv_buffers[self.layer_id].index_select(0, slots).view(bsz, seq, 2, kvh, d).to(q.dtype)
+        keys, values = kv[:, :, 0].transpose(1, 2), kv[:, :, 1].transpose(1, 2)  # [B, kvH, S, D]
+        if q_pad_index is not None:
+            q = q.new_zeros(bsz * extend, h, d).index_copy_(0, q_pad_index, q)
+        rows = q.view(bsz, extend, kvh, grp, d).transpose(1, 2).reshape(bsz, kvh, extend * grp, d)
+        row_mask = mask[:, :, :, None].expand(bsz, 1, extend, grp, seq).reshape(bsz, 1, extend * grp, seq)
+        out = exact_ops.attention(rows, keys, values, row_mask, self.scale)    # [B, kvH, E*G, D]
+        out = out.view(bsz, kvh, extend, grp, d).transpose(1, 2).reshape(bsz * extend, h * d)
+        return out if q_pad_index is None else out.index_select(0, q_pad_index)
+
     @staticmethod
     def sliding_window_mask(fb: ForwardBatch, window: int) -> torch.Tensor:
         """fb.attn_mask restricted to keys at positions > q_pos - window (HF's sliding overlay)."""
@@ -150,3 +155,16 @@ class PagedAttention(nn.Module):
         # NOTE: a padded query row may lose every key; give it key 0 back so softmax stays finite.
         mask[..., 0] |= ~mask.any(-1)
         return mask
+
+
+def pad_keys_to_tiles(slots: torch.Tensor, mask: torch.Tensor, bsz: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """slots [bsz * S] (request-major) and mask [bsz, 1, E, S] widened to S' = S rounded up to
+    rollout.exact.K_TILE: the new columns repeat each request's first slot (finite KV) and are
+    masked, so rollout.exact.attention gets whole key tiles and pads nothing."""
+    seq = mask.shape[-1]
+    pad = (-seq) % exact_ops.K_TILE
+    if not pad:
+        return slots, mask
+    per = slots.view(bsz, seq)
+    slots = torch.cat((per, per[:, :1].expand(bsz, pad)), 1).reshape(-1)
+    return slots, F.pad(mask, (0, pad))

@@ -13,13 +13,14 @@ from torch import nn
 
 from rollout import exact as exact_ops
 from rollout.exec.forward_batch import ForwardBatch
+from rollout.models.attention import pad_keys_to_tiles
 
 
 class LatentAttention(nn.Module):
     """Same contract as PagedAttention.attend: q [N, H, R + P] over the step's grid -> [N, H * R]."""
 
     sliding_window = None
-    exact = False   # rollout.exact.attention over the step's whole grid (deterministic inference)
+    exact = False   # rollout.exact.attention (deterministic inference)
 
     def __init__(self, *, layer_id: int, num_heads: int, kv_lora_rank: int, rope_dim: int, scale: float):
         super().__init__()
@@ -40,9 +41,10 @@ class LatentAttention(nn.Module):
         """q [N, H, R + P] over the latent KV already in the pool -> [N, H * R].
 
         NOTE: a DecodeCascade (fb.cascade) is built for the GQA layout; MLA ignores it and attends
-        over the step's whole grid, which fb always carries."""
+        over the step's whole grid, which fb always carries. Deterministic inference (exact):
+        rollout.exact.attention over the same grids (the segments too)."""
         pool = fb.kv_pool.kv_buffers[self.layer_id]
-        if fb.segments and fb.cascade is None and not self.exact:
+        if fb.segments and fb.cascade is None:
             return torch.cat([
                 self._grid(q[g.tok_lo:g.tok_hi], pool, g.kv_flat, g.hi - g.lo, g.extend, g.q_pad_index,
                            fb.segment_mask(g, attn_mask))
@@ -58,6 +60,8 @@ class LatentAttention(nn.Module):
         """q [N, H, R + P] of bsz requests (grid rows b * extend + i, q_pad_index; None: N == bsz *
         extend), slots [bsz * S] request-major, mask [bsz, 1, extend, S] -> [N, H * R]."""
         n, h, d = q.shape
+        if self.exact:
+            slots, mask = pad_keys_to_tiles(slots, mask, bsz)
         seq = mask.shape[-1]
         # NOTE: padded key columns read the sink or stale slots; masked, and always finite.
         kv = pool.index_select(0, slots).view(bsz, 1, seq, d).to(q.dtype)  # [B, 1, S, R + P]

@@ -1,0 +1,83 @@
+"""rollout.exact.attention: a query's bits depend only on its own row and the keys it may see,
+whatever the grid around it (rows sharing its tile, extra masked key tiles, heads as rows)."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from rollout import exact
+from rollout.exact.attention import tree_sum
+
+
+def _causal_full(q, k, v, scale):
+    s = q.shape[2]
+    causal = torch.ones(s, s, dtype=torch.bool).tril()[None, None]
+    return exact.attention(q, k, v, causal, scale)
+
+
+def test_tree_sum_ignores_appended_zeros():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 13, 5, generator=g) * 100
+    base = tree_sum(x, 1)
+    assert base.shape == (3, 1, 5)
+    assert torch.allclose(base.double(), x.double().sum(1, keepdim=True), atol=1e-3)
+    for extra in (1, 2, 3, 19, 51):
+        padded = torch.cat((x, torch.zeros(3, extra, 5)), 1)
+        assert torch.equal(tree_sum(padded, 1), base), extra
+    assert torch.equal(tree_sum(x[:, :1], 1), x[:, :1])
+
+
+def test_decode_row_equals_its_row_in_a_full_sequence_at_many_lengths():
+    """GQA as the engine runs it (each kv head's query heads as rows) against the trainer's form
+    (keys repeated per head, one row per token), at lengths across tile edges and grid widths
+    with more (masked) key tiles than the query sees, odd and even tile counts."""
+    g = torch.Generator().manual_seed(1)
+    heads, kvh, d, s = 4, 2, 16, 300
+    grp = heads // kvh
+    q = torch.randn(1, heads, s, d, generator=g)
+    k, v = torch.randn(1, kvh, s, d, generator=g), torch.randn(1, kvh, s, d, generator=g)
+    full = _causal_full(q, k.repeat_interleave(grp, 1), v.repeat_interleave(grp, 1), 0.25)   # [1, H, S, D]
+    ref = F.scaled_dot_product_attention(q.double(), k.double().repeat_interleave(grp, 1),
+                                         v.double().repeat_interleave(grp, 1), is_causal=True, scale=0.25)
+    assert torch.allclose(full.double(), ref, atol=1e-5)
+    for p in (0, 1, 2, 3, 4, 5, 63, 64, 65, 127, 128, 191, 255, 256, 299):
+        for width in (p + 1, p + 64, 64 * 5, 64 * 9):
+            kk, vv = torch.zeros(1, kvh, width, d), torch.zeros(1, kvh, width, d)
+            seen = min(p + 1, width)
+            kk[:, :, :seen], vv[:, :, :seen] = k[:, :, :seen], v[:, :, :seen]
+            mask = torch.zeros(1, 1, grp, width, dtype=torch.bool)
+            mask[..., :p + 1] = True
+            rows = q[:, :, p].reshape(1, kvh, grp, d)                           # heads of kv head j as rows
+            out = exact.attention(rows, kk, vv, mask, 0.25).reshape(1, heads, d)
+            assert torch.equal(out, full[:, :, p]), (p, width)
+
+
+def test_rows_do_not_depend_on_their_tile_neighbours_or_batch():
+    g = torch.Generator().manual_seed(2)
+    b, heads, r, s, d = 3, 2, 11, 90, 8
+    q = torch.randn(b, heads, r, d, generator=g)
+    k, v = torch.randn(b, heads, s, d, generator=g), torch.randn(b, heads, s, 12, generator=g)
+    lens = torch.tensor([90, 40, 7])
+    mask = (torch.arange(s)[None, None, None, :] < lens[:, None, None, None]).expand(b, 1, r, s).clone()
+    mask[1, 0, 3] = False                                                       # a row that sees nothing
+    out = exact.attention(q, k, v, mask, 0.5)
+    assert out.shape == (b, heads, r, 12)
+    assert torch.equal(out[1, :, 3], torch.zeros(heads, 12))
+    for i in range(b):
+        for j in (0, 2, 10):
+            alone = exact.attention(q[i:i + 1, :, j:j + 1], k[i:i + 1, :, :lens[i]], v[i:i + 1, :, :lens[i]],
+                                    mask[i:i + 1, :, j:j + 1, :lens[i]], 0.5)
+            assert torch.equal(alone[0, :, 0], out[i, :, j]), (i, j)
+
+
+def test_attention_gradients_match_float64():
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, 2, 70, 8, generator=g, requires_grad=True) for _ in range(3))
+    causal = torch.ones(70, 70, dtype=torch.bool).tril()[None, None]
+    up = torch.randn(2, 2, 70, 8, generator=g)
+    grads = torch.autograd.grad((exact.attention(q, k, v, causal, 0.3) * up).sum(), (q, k, v))
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref = torch.autograd.grad((F.scaled_dot_product_attention(q64, k64, v64, is_causal=True, scale=0.3)
+                               * up.double()).sum(), (q64, k64, v64))
+    for got, want in zip(grads, ref):
+        assert torch.allclose(got.double(), want, atol=1e-4)
