@@ -16,7 +16,7 @@ from rollout.server.generate_stream import GenerateStream
 from rollout.server.ignored_fields import IgnoredFields
 from rollout.server.metrics import Metrics
 from rollout.server.request_body import read_json
-from rollout.server.responses import ApiError, SSEResponse, dumps_bytes, param_of
+from rollout.server.responses import ApiError, JSONBytesResponse, SSEResponse, dumps_bytes, param_of
 from rollout.server.text_bound import OFF_LOOP_CHARS, TextBound
 
 LARGE_ANSWER_ENTRIES = 20000   # token and top-logprob entries past which an answer is built off the loop
@@ -81,7 +81,7 @@ def add_generate_routes(app: FastAPI, *, engine: Rollout, args: ServerArgs, metr
             data, sizes = await blocking(encode) if large else encode()
             for size in sizes:
                 metrics.routing_bytes(call.fmt, size)
-            return Response(data, media_type="application/json")
+            return JSONBytesResponse(data)
         stream = GenerateStream(call, es, engine=engine, metrics=metrics, decode=decode, shutdown=shutdown)
         return SSEResponse(stream.events(), es.close)
 

@@ -255,7 +255,7 @@ class OpenAIServing:
             raise ApiError(400, "response_format must be {'type': 'text'} (no constrained decoding)",
                            param="response_format")
         # NOTE: the template only adds text: contents that cannot fit are refused before it renders them
-        self.bound.check(["".join(m["content"] for m in messages)], "messages", single=True)
+        self.bound.check_length(sum(len(m["content"]) for m in messages), "messages", "messages")
         try:
             ids = await asyncio.to_thread(self.engine.tokenizer.apply_chat_template, messages, True, tools)
         except Exception as exc:  # noqa: BLE001 (template errors come from jinja)

@@ -15,7 +15,7 @@ from rollout.server.unicode_check import body_may_hold_surrogates, invalid_unico
 LARGE_BODY_BYTES = 1 << 20   # bodies past this are parsed on a worker thread, long strings in pieces
 
 
-def _loads(raw: bytes) -> Any:
+def _loads(raw: bytes | bytearray) -> Any:
     if len(raw) > LARGE_BODY_BYTES:
         try:
             return piecewise_loads(raw)
@@ -24,7 +24,7 @@ def _loads(raw: bytes) -> Any:
     return orjson.loads(raw)
 
 
-def parse_json_body(raw: bytes, *, allow_empty: bool = False) -> dict:
+def parse_json_body(raw: bytes | bytearray, *, allow_empty: bool = False) -> dict:
     """The body as a JSON object, or ApiError(400)."""
     if not raw or (raw[:1].isspace() and not raw.strip()):
         if allow_empty:
@@ -51,8 +51,17 @@ def parse_json_body(raw: bytes, *, allow_empty: bool = False) -> dict:
     return obj
 
 
+async def read_body(request: Request) -> bytearray:
+    """The body, gathered as it arrives (Request.body() joins its pieces at the end: one copy of the
+    whole body on the loop, ~20 ms for 30 MB)."""
+    raw = bytearray()
+    async for piece in request.stream():
+        raw += piece
+    return raw
+
+
 async def read_json(request: Request, *, allow_empty: bool = False) -> dict:
-    raw = await request.body()
+    raw = await read_body(request)
     if len(raw) > LARGE_BODY_BYTES:
         # NOTE: off the loop, and in pieces (piecewise_json): orjson holds the GIL while it parses
         return await asyncio.to_thread(parse_json_body, raw, allow_empty=allow_empty)
