@@ -91,7 +91,7 @@ def main() -> None:
             if args.only and not any(o in name for o in args.only):
                 continue
             status, took, prober, before, after = probe(run)
-            idle = probe(lambda c, s=took: time.sleep(max(0.5, min(s, 5.0))) or 200)[2]
+            idle = probe(lambda c, s=took: time.sleep(max(1.0, min(s, 120.0))) or 200)[2]   # as long as the case
             rows.append({"case": name, "status": status, "seconds": round(took, 2),
                          "worst_health_ms": round(prober.worst_s * 1000, 1),
                          "idle_worst_health_ms": round(idle.worst_s * 1000, 1), "probes": prober.probes,
