@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from typing import Any, AsyncIterator, Callable, Optional, Union
+from typing import Any, AsyncIterator, Callable, Optional, Sequence, Union
 
 import orjson
 from starlette.responses import Response, StreamingResponse
@@ -59,6 +59,16 @@ def dumps_bytes(obj: Any) -> bytes:
         return orjson.dumps(obj, option=orjson.OPT_NON_STR_KEYS | orjson.OPT_SERIALIZE_NUMPY)
     except TypeError:
         return json.dumps(_finite(obj), ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
+
+
+LARGE_ANSWER_ENTRIES = 20000   # token and top-logprob entries past which an answer is built off the loop
+
+
+def large_answer(outs: Sequence[Any]) -> bool:
+    """Whether building and encoding these outputs' answer belongs on a worker thread (n = 128 with
+    top-20 logprobs and routing: ~57 MB of JSON)."""
+    return len(outs) > 8 or sum(len(o.output_ids) * (1 + (len(o.output_top_logprobs[0]) if o.output_top_logprobs
+                                                          else 0)) for o in outs) > LARGE_ANSWER_ENTRIES
 
 
 SEND_PIECE_BYTES = 1 << 20   # a larger answer is written in pieces of this size
