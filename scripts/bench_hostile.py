@@ -1,9 +1,9 @@
 """The event loop's worst stall and the server's memory under hostile requests: one rollout-serve (the
 embedded tiny model) on loopback, a /health prober polling it on its own connection through each case,
-and through an idle window of the same length right before it (the host's own jitter: on a shared
+and through an idle window of the same length right after it (the host's own jitter: on a shared
 host the case's excess over its idle reference is what counts); prints a table (worst /health
-answer time, case and idle, RSS before and after) and can write JSON. Bodies are encoded before the
-prober starts: the client's own JSON encoding (it shares the prober's interpreter) is not counted.
+answer time, case and idle, RSS before and after) and can write JSON. The prober runs in a process
+of its own, so the client's work (encoding 30 MB, reading a 57 MB answer) is not counted.
 
     python scripts/bench_hostile.py [--json out.json] [--only SUBSTRING ...]
 """
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing as mp
 import os
 import socket
 import sys
@@ -27,6 +28,32 @@ from health_prober import HealthProber  # noqa: E402
 from server_proc import ServerProcess  # noqa: E402
 
 ADMIN = "bench-admin"
+
+
+def _probe_main(url: str, period_s: float, stop, out) -> None:
+    with HealthProber(url, period_s=period_s) as prober:
+        out.put("up")
+        stop.wait()
+    out.put((prober.worst_s, prober.probes, prober.failures))
+
+
+class ProbeProcess:
+    """HealthProber in a spawned process: `with ProbeProcess(url) as p: ...` then p.worst_s, p.probes."""
+
+    def __init__(self, url: str, period_s: float):
+        ctx = mp.get_context("spawn")
+        self._stop, self._out = ctx.Event(), ctx.Queue()
+        self._proc = ctx.Process(target=_probe_main, args=(url, period_s, self._stop, self._out), daemon=True)
+
+    def __enter__(self) -> "ProbeProcess":
+        self._proc.start()
+        assert self._out.get(timeout=120) == "up"
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self.worst_s, self.probes, self.failures = self._out.get(timeout=120)
+        self._proc.join(30)
 
 
 def cases(url: str):
@@ -78,7 +105,7 @@ def main() -> None:
                                              "max_tokens": 2})
         def probe(run):
             before = proc.memory_info().rss
-            with HealthProber(srv.url, period_s=0.005) as prober:
+            with ProbeProcess(srv.url, period_s=0.005) as prober:
                 time.sleep(0.3)                   # NOTE: the prober's connection is up before the case starts
                 t0 = time.perf_counter()
                 status = run(c)
@@ -91,7 +118,8 @@ def main() -> None:
             if args.only and not any(o in name for o in args.only):
                 continue
             status, took, prober, before, after = probe(run)
-            idle = probe(lambda c, s=took: time.sleep(max(1.0, min(s, 120.0))) or 200)[2]   # as long as the case
+            # NOTE: the idle reference as long as the case
+            idle = probe(lambda c, s=took: time.sleep(max(1.0, min(s, 120.0))) or 200)[2]
             rows.append({"case": name, "status": status, "seconds": round(took, 2),
                          "worst_health_ms": round(prober.worst_s * 1000, 1),
                          "idle_worst_health_ms": round(idle.worst_s * 1000, 1), "probes": prober.probes,
