@@ -59,6 +59,15 @@ class Tokenizer:
         """The longest text that may encode to at most max_tokens tokens (a cheap bound, no tokenizing)."""
         return max_tokens * self.max_chars_per_token
 
+    def check_length(self, chars: int, name: str, context_length: int) -> None:
+        """ValueError naming `name` when a text of `chars` characters cannot fit the context, whatever it
+        encodes to: checked before tokenizing (the HTTP front end and Rollout.generate share it)."""
+        limit = self.max_chars(context_length)
+        if chars > limit:
+            raise ValueError(f"{name} has {chars} characters: more than the context length ({context_length} "
+                             f"tokens) can hold at {self.max_chars_per_token} characters per token at most "
+                             f"({limit} characters)")
+
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 

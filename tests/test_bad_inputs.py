@@ -76,3 +76,30 @@ def test_generate_errors_name_field(engine, kwargs, field):
         engine.generate(**kwargs)
     engine.check_integrity()
     assert engine.stats()["kv_used"] == 0 and engine.stats()["waiting"] == 0
+
+
+def test_huge_prompt_text_is_refused_by_name_before_tokenizing(engine, monkeypatch):
+    import gc
+
+    import psutil
+
+    huge = "the quick brown fox " * 1_500_000          # 30 MB
+    limit = engine.tokenizer.max_chars(engine.context_length)
+    encoded = []
+    real = engine.tokenizer.encode
+    monkeypatch.setattr(engine.tokenizer, "encode", lambda text: encoded.append(len(text)) or real(text))
+    gc.collect()
+    before = psutil.Process().memory_info().rss
+    with pytest.raises(ValueError) as err:
+        engine.generate(["a short one", huge], {"max_new_tokens": 2})
+    msg = str(err.value)
+    assert msg.startswith(f"prompts[1] has {len(huge)} characters") and f"({limit} characters)" in msg, msg
+    assert encoded == []                                # refused before any prompt was tokenized
+    gc.collect()
+    assert psutil.Process().memory_info().rss - before < 150 * 2**20
+    ok = "x" * (limit // 4)                             # under the bound: tokenized, then the token count decides
+    with pytest.raises(ValueError, match=r"prompts\[0\] has \d+ tokens"):
+        engine.generate(ok, {"max_new_tokens": 2})
+    assert encoded == [len(ok)]
+    engine.check_integrity()
+    assert engine.stats()["kv_used"] == 0 and engine.stats()["waiting"] == 0

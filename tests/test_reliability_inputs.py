@@ -10,7 +10,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save
 
-from reliability_server import GREEDY, admin, assert_idle_and_clean, check_routing, prompts, server, shape  # noqa: F401
+from reliability_server import (GREEDY, admin, assert_idle_and_clean, check_routing, health_probe,  # noqa: F401
+                                prompts, server, shape)
 from rollout.config import DEFAULT_MODEL_PATH
 from server_proc import ServerProcess, wait_idle
 from trainer_bridge.client import RolloutClient

@@ -15,6 +15,7 @@ import pytest
 
 from capture.codec import decode_routed_experts
 from health_prober import HealthProber
+from reliability_server import PROBE_GAP_S
 from oracle import hf_router_topk, same_sets
 from rollout.config import DEFAULT_MODEL_PATH
 from server_proc import ServerProcess, wait_idle
@@ -69,11 +70,13 @@ def test_signal_drains_then_aborts_with_exact_partials(tmp_path, sig, code):
                                                    "max_tokens": 1900, "stream": True, "ignore_eos": True}, True)]
         jobs += [("short", "/generate", {"input_ids": PROMPT, "sampling_params": {**LONG, "max_new_tokens": 4}}, False)]
         threads = [threading.Thread(target=call, args=j) for j in jobs]
-        for t in threads[:-1]:
-            t.start()
-        time.sleep(2.0)
-        threads[-1].start()                       # arrives just before the signal: finishes in the drain
-        time.sleep(0.3)
+        with HealthProber(url) as prober:         # NOTE: up to the signal (the shutdown closes its connection)
+            for t in threads[:-1]:
+                t.start()
+            time.sleep(2.0)
+            threads[-1].start()                   # arrives just before the signal: finishes in the drain
+            time.sleep(0.3)
+        assert not prober.failures and prober.worst_s < PROBE_GAP_S, (prober.failures[:3], prober.worst_s)
         # NOTE: SIGINT to the whole group, as a terminal's Ctrl-C: the engine must outlive it
         os.killpg(proc.pid, sig) if sig == signal.SIGINT else proc.send_signal(sig)
         for t in threads:
@@ -112,8 +115,11 @@ def test_kill9_leaves_nothing_a_restart_does_not_clean(tmp_path):
     # an engine OOM-killed while its weights are released: the server exits 1 and removes them
     srv = _server(tmp_path).start()
     try:
-        r = httpx.post(srv.url + "/release_memory_occupation", json={}, headers=HEADERS, timeout=60)
-        assert r.status_code == 200, r.text
+        with HealthProber(srv.url) as prober:
+            r = httpx.post(srv.url + "/release_memory_occupation", json={}, headers=HEADERS, timeout=60)
+            assert r.status_code == 200, r.text
+            assert httpx.get(srv.url + "/health_generate", timeout=60).status_code == 503
+        assert not prober.failures and prober.worst_s < PROBE_GAP_S, (prober.failures[:3], prober.worst_s)
         assert any(n.startswith("rollout-weights-") for n in _left(tmp_path)), _left(tmp_path)
         engine = psutil.Process(srv._server.proc.pid).children()[0]
         engine.kill()
@@ -159,17 +165,29 @@ def test_bad_index_keeps_weights_and_memory_returns_after_huge_answers(tmp_path)
             assert "weight_map" in r.json()["message"]
             assert c.post("/generate", json=greedy).json()["output_ids"] == before
         big = {"input_ids": PROMPT, "return_logprob": True, "top_logprobs_num": 20, "return_routed_experts": True,
-               "sampling_params": {"max_new_tokens": 24, "n": 16, "temperature": 1.0, "ignore_eos": True}}
+               "sampling_params": {"max_new_tokens": 16, "n": 128, "temperature": 1.0, "ignore_eos": True}}
+        huge = "the quick brown fox " * 1_500_000          # 30 MB, under --max-request-bytes
+        refused = [("/generate", {"text": huge, "sampling_params": {"max_new_tokens": 2}}, "text"),
+                   ("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": huge}]},
+                    "messages")]
         rss = psutil.Process(srv._server.proc.pid)
-        c.post("/generate", json=big)             # warm: allocator pools, first-use imports
+        c.post("/generate", json={**big, "sampling_params": {**big["sampling_params"], "n": 2}})   # warm
         base = rss.memory_info().rss
         with HealthProber(srv.url) as prober:
-            for _ in range(2):
-                r = c.post("/generate", json=big)
-                assert r.status_code == 200 and len(r.json()) == 16
-        del r
+            for path, body, param in refused:
+                r = c.post(path, json=body)
+                assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text[:300]
+                assert r.json()["error"]["message"].startswith(f"{param} has {len(huge)} characters"), r.text[:300]
+            after_refused = rss.memory_info().rss
+            r = c.post("/generate", json=big)
+            assert r.status_code == 200 and len(r.json()) == 128, r.text[:300]
+            assert all(len(o["output_ids"]) == 16 and len(o["meta_info"]["output_top_logprobs"]) == 16
+                       for o in r.json())
+            del r
         wait_idle(c, timeout=120)
+        assert c.post("/flush_cache").status_code == 200
+        assert c.get("/get_load").json()[0]["num_tokens"] == 0
         time.sleep(1.0)
-        grown = rss.memory_info().rss - base
-        assert grown < 300 * 2**20, grown / 2**20
-        assert not prober.failures and prober.worst_s < 3.0, prober.worst_s
+        for grown in (after_refused - base, rss.memory_info().rss - base):
+            assert grown < 150 * 2**20, grown / 2**20
+        assert not prober.failures and prober.worst_s < PROBE_GAP_S, (prober.failures[:3], prober.worst_s)

@@ -65,6 +65,9 @@ class RequestBuilder:
                 prompts = [prompts]
             if not isinstance(prompts, (list, tuple)) or not all(isinstance(p, str) for p in prompts):
                 raise ValueError("prompts must be a string or a list of strings")
+            for i, p in enumerate(prompts):
+                # NOTE: before any tokenizing: a text that cannot fit is refused without encoding it
+                self.tokenizer.check_length(len(p), f"prompts[{i}]", self.context_length)
             batch = [self.tokenizer.encode(p) for p in prompts]
             name = "prompts"
         else:

@@ -59,18 +59,31 @@ ENGINE_DEAD_EXIT_DELAY_S = 1.0
 
 
 # ---- the app ---------------------------------------------------------------------------------------
+def _started_pool(workers: int, prefix: str) -> ThreadPoolExecutor:
+    """A thread pool whose threads all run already. NOTE: a pool starts a thread on first use and
+    waits for the OS to run it: on the event loop's time when the loop submits (170 ms measured on
+    a loaded host)."""
+    pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix=prefix)
+    barrier = threading.Barrier(workers)
+    for future in [pool.submit(barrier.wait, 60) for _ in range(workers)]:
+        future.result()
+    return pool
+
+
 def create_app(engine: Rollout, server_args: ServerArgs) -> FastAPI:
     """The FastAPI app serving `engine`; the caller owns (and shuts down) the engine."""
     args = server_args
-    control_pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="rollout-control")
-    weight_pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="rollout-weights")
+    control_pool = _started_pool(8, "rollout-control")
+    weight_pool = _started_pool(4, "rollout-weights")
+    offloop_pool = _started_pool(4, "rollout-offloop")   # asyncio.to_thread's (parsing, tokenizing)
     updater = WeightUpdater(engine, args.weight_dirs)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        asyncio.get_running_loop().set_default_executor(offloop_pool)
         yield
-        control_pool.shutdown(wait=False, cancel_futures=True)
-        weight_pool.shutdown(wait=False, cancel_futures=True)
+        for pool in (control_pool, weight_pool, offloop_pool):
+            pool.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="rollout-serve", version=VERSION, docs_url="/docs", redoc_url=None,
                   openapi_url="/openapi.json", lifespan=lifespan, **_NO_TELEMETRY)

@@ -16,10 +16,10 @@ from rollout.server.generate_stream import GenerateStream
 from rollout.server.ignored_fields import IgnoredFields
 from rollout.server.metrics import Metrics
 from rollout.server.request_body import read_json
-from rollout.server.responses import ApiError, SSEResponse, dumps_bytes, param_of
+from rollout.server.responses import (ApiError, JSONBytesResponse, SSEResponse, dumps_bytes, large_answer,
+                                     param_of)
 from rollout.server.text_bound import OFF_LOOP_CHARS, TextBound
 
-LARGE_ANSWER_ENTRIES = 20000   # token and top-logprob entries past which an answer is built off the loop
 RID_IN_FLIGHT = "rid_in_flight_error"   # the error type clients retry on (the rid's earlier try is not done)
 
 
@@ -73,15 +73,11 @@ def add_generate_routes(app: FastAPI, *, engine: Rollout, args: ServerArgs, metr
                 # NOTE: one orjson call per item: a call holds the GIL for its whole length
                 return b"[" + b",".join(dumps_bytes(i) for i in items) + b"]", sizes
 
-            # NOTE: a large answer (n = 128 with top-20 logprobs and routing: ~57 MB) is built on a worker
-            # thread, so the loop keeps serving while it is encoded
-            large = len(outs) > 8 or sum(len(o.output_ids) * (1 + (len(o.output_top_logprobs[0])
-                                                                   if o.output_top_logprobs else 0))
-                                         for o in outs) > LARGE_ANSWER_ENTRIES
-            data, sizes = await blocking(encode) if large else encode()
+            # NOTE: a large answer is built on a worker thread, so the loop keeps serving while it is encoded
+            data, sizes = await blocking(encode) if large_answer(outs) else encode()
             for size in sizes:
                 metrics.routing_bytes(call.fmt, size)
-            return Response(data, media_type="application/json")
+            return JSONBytesResponse(data)
         stream = GenerateStream(call, es, engine=engine, metrics=metrics, decode=decode, shutdown=shutdown)
         return SSEResponse(stream.events(), es.close)
 

@@ -2,12 +2,14 @@
 (so it covers streaming responses too); it also counts every answer's status for /metrics."""
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import logging
 from typing import Any, Callable, Optional
 
 from rollout.server.args import ServerArgs
+from rollout.server.heap_trim import TRIM_AFTER_BYTES, trim_heap
 from rollout.server.metrics import Metrics
 from rollout.server.responses import error_body
 
@@ -55,14 +57,21 @@ class Guard:
             return await self.app(scope, receive, send)
         path = scope.get("path", "")
         status_box = [0]
+        sizes = [0, 0]   # body bytes received, answer bytes sent
+
+        async def receive_counted() -> dict:
+            message = await receive()
+            sizes[0] += len(message.get("body", b""))
+            return message
 
         async def send_tracked(message: dict) -> None:
             if message["type"] == "http.response.start":
                 status_box[0] = message["status"]
+            sizes[1] += len(message.get("body", b""))
             await send(message)
 
         try:
-            await self._handle(scope, receive, send_tracked, path)
+            await self._handle(scope, receive_counted, send_tracked, path)
         except Exception as exc:  # noqa: BLE001 (the handlers' bugs: a JSON 500, the connection kept)
             logger.error("internal error on %s", path, exc_info=exc)
             if status_box[0]:
@@ -73,6 +82,8 @@ class Guard:
             await self._reply(send, 500, error_body(f"internal error: {type(exc).__name__}", "server_error", code=500))
         finally:
             self.metrics.request(path, status_box[0])
+        if max(sizes) > TRIM_AFTER_BYTES:
+            await asyncio.to_thread(trim_heap)   # NOTE: after the answer, when the request's copies are freed
 
     async def _handle(self, scope: dict, receive: Callable, send: Callable, path: str) -> None:
         headers = dict(scope.get("headers") or [])

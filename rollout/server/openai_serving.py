@@ -13,7 +13,8 @@ from rollout.output import RolloutOutput
 from rollout.server.completion_echo import CompletionEcho
 from rollout.server.engine_stream import EngineStream
 from rollout.frontend.api import EngineDeadError
-from rollout.server.responses import ApiError, SSEResponse, error_body, json_response, param_of, sse
+from rollout.server.responses import (ApiError, JSONBytesResponse, SSEResponse, dumps_bytes, error_body, large_answer,
+                                     param_of, sse)
 from rollout.server.text_bound import OFF_LOOP_CHARS, TextBound
 from rollout.server.routing_format import check_routing_format, encode_rows
 from rollout.stream_chunk import StreamChunk
@@ -255,7 +256,7 @@ class OpenAIServing:
             raise ApiError(400, "response_format must be {'type': 'text'} (no constrained decoding)",
                            param="response_format")
         # NOTE: the template only adds text: contents that cannot fit are refused before it renders them
-        self.bound.check(["".join(m["content"] for m in messages)], "messages", single=True)
+        self.bound.check_length(sum(len(m["content"]) for m in messages), "messages", "messages")
         try:
             ids = await asyncio.to_thread(self.engine.tokenizer.apply_chat_template, messages, True, tools)
         except Exception as exc:  # noqa: BLE001 (template errors come from jinja)
@@ -304,23 +305,39 @@ class OpenAIServing:
         meta = {"id": f"{id_prefix}-{uuid.uuid4().hex}", "created": int(time.time()), "model": self.model_name}
         if not stream:
             outs = await es.outputs(request)
-            choices, exts = [], []
-            for i, out in enumerate(outs):
-                reason, matched = self._finish(out)
-                choice = {"index": i, **body_of(out), "finish_reason": reason, "matched_stop": matched}
-                if token_ids:
-                    choice.update(token_ids=list(out.output_ids), prompt_token_ids=list(out.prompt_ids))
-                exts.append(self._sglext(out, fmt))
-                if exts[-1] is not None and len(outs) > 1:
-                    choice["sglext"] = exts[-1]
-                choices.append(choice)
             self.metrics.finished(outs)
-            usage = self._usage(outs, es.submission.prompt_index)
-            answer = {**meta, "object": whole, "choices": choices, "usage": usage,
-                      "metadata": {"weight_version": outs[0].weight_version}}
-            if exts and exts[0] is not None:
-                answer["sglext"] = exts[0]
-            return json_response(answer)
+
+            def build() -> bytes:
+                return dumps_bytes(self._answer(outs, es, meta, whole, fmt, body_of, token_ids))
+
+            # NOTE: a large answer is built on a worker thread, so the loop keeps serving while it is encoded
+            return JSONBytesResponse(await asyncio.to_thread(build) if large_answer(outs) else build())
+        return self._stream(es, meta, chunk_obj, fmt, include_usage, delta_of, opening, token_ids, incremental)
+
+    def _answer(self, outs: list[RolloutOutput], es: "EngineStream", meta: dict, whole: str, fmt: str,
+                body_of: Callable[[RolloutOutput], dict], token_ids: bool) -> dict:
+        """The whole answer object of a non-streaming request."""
+        choices, exts = [], []
+        for i, out in enumerate(outs):
+            reason, matched = self._finish(out)
+            choice = {"index": i, **body_of(out), "finish_reason": reason, "matched_stop": matched}
+            if token_ids:
+                choice.update(token_ids=list(out.output_ids), prompt_token_ids=list(out.prompt_ids))
+            exts.append(self._sglext(out, fmt))
+            if exts[-1] is not None and len(outs) > 1:
+                choice["sglext"] = exts[-1]
+            choices.append(choice)
+        usage = self._usage(outs, es.submission.prompt_index)
+        answer = {**meta, "object": whole, "choices": choices, "usage": usage,
+                  "metadata": {"weight_version": outs[0].weight_version}}
+        if exts and exts[0] is not None:
+            answer["sglext"] = exts[0]
+        return answer
+
+    def _stream(self, es: "EngineStream", meta: dict, chunk_obj: str, fmt: str, include_usage: bool,
+                delta_of: Callable[[StreamChunk], dict], opening: Optional[dict], token_ids: bool,
+                incremental: bool) -> Response:
+        """The SSE stream of a streaming request."""
         index = {rid: i for i, rid in enumerate(es.rids)}
 
         async def events() -> AsyncIterator[Union[str, bytes]]:

@@ -20,19 +20,17 @@ class TextBound:
     def __init__(self, engine: Any):
         self.engine = engine
 
-    @property
-    def max_chars(self) -> int:
-        return self.engine.tokenizer.max_chars(self.engine.context_length)
+    def check_length(self, chars: int, name: str, field: str) -> None:
+        """ApiError(400, param=field) when `chars` characters cannot fit the context (Tokenizer.check_length)."""
+        try:
+            self.engine.tokenizer.check_length(chars, name, self.engine.context_length)
+        except ValueError as exc:
+            raise ApiError(400, str(exc), param=field) from None
 
     def check(self, texts: Sequence[str], field: str, *, single: bool = False) -> None:
         """ApiError(400, param=field) for the first text that cannot fit the context."""
-        limit = self.max_chars
         for i, text in enumerate(texts):
-            if len(text) > limit:
-                name = field if single else f"{field}[{i}]"
-                raise ApiError(400, f"{name} has {len(text)} characters: more than the context length "
-                                    f"({self.engine.context_length} tokens) can hold at {limit // max(1, self.engine.context_length)}"
-                                    f" characters per token at most ({limit} characters)", param=field)
+            self.check_length(len(text), field if single else f"{field}[{i}]", field)
 
     async def tokenize(self, texts: Sequence[str], field: str, *, single: bool = False) -> list[list[int]]:
         """Each text's token ids, after the length check; long texts on a worker thread."""
