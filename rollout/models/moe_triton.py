@@ -29,7 +29,11 @@ def _block_rows(pairs_ptr, num_pairs, top_k, BLOCK_M: tl.constexpr, BLOCK_N: tl.
 
 
 @triton.jit
-def _dot(a, b, acc, IEEE: tl.constexpr):
+def _dot(a, b, acc, IEEE: tl.constexpr, ROWWISE: tl.constexpr = False):
+    if ROWWISE:
+        # NOTE: the interpreter's tl.dot is numpy's BLAS, whose result for a row depends on the row's
+        # place in the block; a broadcast product summed over K is the same for every row
+        return acc + tl.sum(a[:, :, None] * b[None, :, :], axis=1)
     if IEEE:
         return tl.dot(a, b, acc, input_precision="ieee")
     return tl.dot(a, b, acc)
@@ -39,7 +43,8 @@ def _dot(a, b, acc, IEEE: tl.constexpr):
 def _w13_kernel(x_ptr, w_ptr, h_ptr, pairs_ptr, block_expert_ptr,
                 num_pairs, top_k, hidden, inter,
                 stride_x, stride_we, stride_wn, stride_wk, stride_h,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
+                ROWWISE: tl.constexpr = False):
     expert = tl.load(block_expert_ptr + tl.program_id(0))
     if expert < 0:
         return
@@ -57,8 +62,8 @@ def _w13_kernel(x_ptr, w_ptr, h_ptr, pairs_ptr, block_expert_ptr,
         w_gate = tl.load(w_base + n[None, :] * stride_wn + kk[:, None] * stride_wk, mask=w_mask, other=0.0)
         w_up = tl.load(w_base + (n + inter)[None, :] * stride_wn + kk[:, None] * stride_wk, mask=w_mask,
                        other=0.0)                                                       # [K, N]
-        acc_gate = _dot(a, w_gate, acc_gate, IEEE)
-        acc_up = _dot(a, w_up, acc_up, IEEE)
+        acc_gate = _dot(a, w_gate, acc_gate, IEEE, ROWWISE)
+        acc_up = _dot(a, w_up, acc_up, IEEE, ROWWISE)
     h = acc_gate / (1.0 + tl.exp(-acc_gate)) * acc_up                                  # silu(gate) * up
     tl.store(h_ptr + pair[:, None] * stride_h + n[None, :], h.to(h_ptr.dtype.element_ty),
              mask=row_ok[:, None] & n_ok[None, :])
