@@ -104,8 +104,8 @@ def test_config_refuses_what_breaks_invariance():
     from rollout.config import EngineConfig
 
     assert EngineConfig(enable_deterministic_inference=True, device="cuda").resolved_attention_backend == "torch"
-    for bad, field in ((dict(moe_backend="triton"), "moe_backend"), (dict(attention_backend="flashinfer"),
-                       "attention_backend"), (dict(cpu_reserve=1), "cpu_reserve")):
+    for bad, field in ((dict(attention_backend="flashinfer"), "attention_backend"),
+                       (dict(attention_backend="triton"), "attention_backend"), (dict(cpu_reserve=1), "cpu_reserve")):
         with pytest.raises(ValueError, match=field):
             EngineConfig(enable_deterministic_inference=True, **bad)
         EngineConfig(**bad)   # fine without the mode

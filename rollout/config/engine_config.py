@@ -206,10 +206,10 @@ class EngineConfig:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS} or None (by device), "
                              f"got {self.attention_backend!r}")
         if self.enable_deterministic_inference:
-            for name, value in (("moe_backend", self.moe_backend), ("attention_backend", self.attention_backend)):
-                if value not in (None, "torch"):
-                    raise ValueError(f"enable_deterministic_inference runs the batch-invariant torch ops: "
-                                     f"{name} must be 'torch' or None, got {value!r}")
+            # NOTE: moe_backend "triton" runs the batch-invariant experts kernel (moe_triton_exact.py)
+            if self.attention_backend not in (None, "torch"):
+                raise ValueError(f"enable_deterministic_inference runs the batch-invariant torch attention: "
+                                 f"attention_backend must be 'torch' or None, got {self.attention_backend!r}")
             if self.cpu_reserve:
                 raise ValueError(f"enable_deterministic_inference needs the same threads in every forward: "
                                  f"cpu_reserve must be 0, got {self.cpu_reserve}")
@@ -291,11 +291,10 @@ class EngineConfig:
     @property
     def resolved_moe_backend(self) -> str:
         """The MoE kernels (router and experts): moe_backend, else "triton" on CUDA when triton is
-        installed and "torch" otherwise (on CPU Triton runs only under its interpreter, for tests)."""
+        installed and "torch" otherwise (on CPU Triton runs only under its interpreter, for tests).
+        Deterministic inference too: its experts then run the batch-invariant Triton kernel."""
         if self.moe_backend is not None:
             return self.moe_backend
-        if self.enable_deterministic_inference:
-            return "torch"
         cuda = self.device.startswith("cuda") and importlib.util.find_spec("triton") is not None
         return "triton" if cuda else "torch"
 
