@@ -186,3 +186,57 @@ def test_gpu_inside_cuda_graph():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, fused_moe_exact(x, w13, w2, w, ids, 0)) and not torch.equal(out, eager)
+
+
+@pytest.mark.interpreter
+def test_deterministic_engine_on_the_triton_backend_alone_vs_in_a_batch(tiny_checkpoint):
+    from test_deterministic_engine import TARGET, _others, _run, _same
+    from tiny_models import make_engine, random_prompts
+
+    path = tiny_checkpoint("qwen3_moe")
+    target = random_prompts(11, [45])[0]
+    prompts, params = _others(5, 3)
+    with make_engine(path, enable_deterministic_inference=True, moe_backend="triton", chunked_prefill_size=32,
+                     client="inproc") as engine:
+        alone = _run(engine, target)
+        among = engine.generate(input_ids=prompts[:2] + [target] + prompts[2:],
+                                sampling_params=params[:2] + [TARGET] + params[2:], return_logprob=True,
+                                top_logprobs_num=3, return_routed_experts=True)[2]
+        impls = engine.debug(lambda core: {m._experts_impl for m in core.model.modules() if isinstance(m, SparseMoE)})
+    assert impls == {"exact_triton"}
+    _same(alone, among)
+
+
+@pytest.mark.interpreter
+@pytest.mark.slow
+def test_deterministic_engine_on_the_triton_backend_is_batch_invariant(tiny_checkpoint):
+    """The engine, deterministic on moe_backend="triton": the target alone vs among random others with
+    small chunks, retractions and a prefix hit, and decode vs the same tokens scored as a prompt; the
+    routing is the torch backend's (the same rule) and the logprobs close to it."""
+    from test_deterministic_engine import _mixed, _run, _same
+    from tiny_models import make_engine, random_prompts
+
+    path = tiny_checkpoint("qwen3_moe")
+    target = random_prompts(11, [45])[0]
+    with make_engine(path, enable_deterministic_inference=True, enable_prefix_caching=False) as engine:
+        on_torch = _run(engine, target)
+    with make_engine(path, enable_deterministic_inference=True, moe_backend="triton",
+                     enable_prefix_caching=False) as engine:
+        alone = _run(engine, target)
+    with make_engine(path, enable_deterministic_inference=True, moe_backend="triton", chunked_prefill_size=16,
+                     max_total_tokens=260) as engine:
+        mixed = _mixed(engine, target, seed=3)
+        hit = _run(engine, target)
+        scored = engine.generate(input_ids=[target + alone.output_ids], return_logprob=True,
+                                 logprob_start_len=len(target) - 1, return_routed_experts=True,
+                                 sampling_params={"max_new_tokens": 1, "temperature": 0.0})[0]
+        stats = engine.stats()
+        engine.check_integrity()
+    _same(alone, mixed)
+    _same(alone, hit)
+    assert hit.cached_tokens > 0 and stats["num_retractions"] > 0
+    assert torch.equal(torch.tensor(scored.input_logprobs), torch.tensor(alone.output_logprobs))
+    assert torch.equal(scored.routed_experts[:alone.routed_experts.shape[0]], alone.routed_experts)
+    assert alone.output_ids == on_torch.output_ids and torch.equal(alone.routed_experts, on_torch.routed_experts)
+    diff = (torch.tensor(alone.output_logprobs) - torch.tensor(on_torch.output_logprobs)).abs().max().item()
+    assert diff <= 1e-4, diff
