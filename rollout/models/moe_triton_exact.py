@@ -21,7 +21,7 @@ import triton.language as tl
 
 from rollout.exact import sum_slots
 from rollout.models.moe_align import ExpertBlocks
-from rollout.models.moe_triton import _block_rows, _dot, _tile, _w13_kernel
+from rollout.models.moe_triton import _tile, _w13_kernel, _w2_block
 
 EXACT_BLOCK_M = 16   # (token, slot) rows per program, whatever the batch
 
@@ -32,21 +32,11 @@ def _w2_terms_kernel(h_ptr, w_ptr, terms_ptr, pairs_ptr, block_expert_ptr, weigh
                      stride_h, stride_we, stride_wn, stride_wk, stride_t,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
                      ROWWISE: tl.constexpr):
-    expert = tl.load(block_expert_ptr + tl.program_id(0))
-    if expert < 0:
+    if tl.load(block_expert_ptr + tl.program_id(0)) < 0:
         return
-    pair, row_ok, _, n = _block_rows(pairs_ptr, num_pairs, top_k, BLOCK_M, BLOCK_N)      # n: hidden columns
-    n_ok = n < hidden
-    w_base = w_ptr + expert.to(tl.int64) * stride_we
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(0, inter, BLOCK_K):
-        kk = k0 + tl.arange(0, BLOCK_K).to(tl.int64)
-        k_ok = kk < inter
-        a = tl.load(h_ptr + pair[:, None] * stride_h + kk[None, :],
-                    mask=row_ok[:, None] & k_ok[None, :], other=0.0)                    # [M, K]
-        w = tl.load(w_base + n[None, :] * stride_wn + kk[:, None] * stride_wk,
-                    mask=k_ok[:, None] & n_ok[None, :], other=0.0)                      # [K, N]
-        acc = _dot(a, w, acc, IEEE, ROWWISE)
+    pair, row_ok, _, n, n_ok, acc = _w2_block(h_ptr, w_ptr, pairs_ptr, block_expert_ptr, num_pairs, top_k,
+                                              hidden, inter, stride_h, stride_we, stride_wn, stride_wk,
+                                              BLOCK_M, BLOCK_N, BLOCK_K, IEEE, ROWWISE)
     out_ty = terms_ptr.dtype.element_ty
     weight = tl.load(weights_ptr + pair, mask=row_ok, other=0.0).to(out_ty)            # [M]
     term = acc.to(out_ty) * weight[:, None]                                             # as exact.fused_experts
