@@ -151,8 +151,10 @@ def test_config_takes_the_triton_moe_backend_in_deterministic_mode():
     cfg = EngineConfig(enable_deterministic_inference=True, moe_backend="triton")
     assert cfg.resolved_moe_backend == "triton" and cfg.resolved_attention_backend == "torch"
     assert EngineConfig(enable_deterministic_inference=True).resolved_moe_backend == "torch"   # CPU
+    cfg = EngineConfig(enable_deterministic_inference=True, attention_backend="triton")
+    assert cfg.resolved_attention_backend == "triton"
     with pytest.raises(ValueError, match="attention_backend"):
-        EngineConfig(enable_deterministic_inference=True, moe_backend="triton", attention_backend="triton")
+        EngineConfig(enable_deterministic_inference=True, attention_backend="flashinfer")
 
 
 @pytest.mark.gpu
@@ -188,6 +190,52 @@ def test_gpu_inside_cuda_graph():
     assert torch.equal(out, fused_moe_exact(x, w13, w2, w, ids, 0)) and not torch.equal(out, eager)
 
 
+def _paged(seed, lens, heads=4, kv_heads=2, dim=16, slots=600):
+    """A KV pool [slots, 2, kvH, D], requests' slot tables [B, max(lens)] (disjoint random slots)
+    and queries [sum(lens), H, D] for every position of each request."""
+    g = torch.Generator().manual_seed(seed)
+    kv = torch.randn(slots, 2, kv_heads, dim, generator=g)
+    perm = torch.randperm(slots, generator=g)
+    table = torch.zeros(len(lens), max(lens), dtype=torch.int64)
+    at = 0
+    for b, n in enumerate(lens):
+        table[b, :n] = perm[at:at + n]
+        at += n
+    return kv, table, [torch.randn(n, heads, dim, generator=g) for n in lens]
+
+
+def _attend(kv, table, queries, starts, exact=True, window=None):
+    """Request b's queries at positions starts[b] .. (its cached prefix: keys before starts[b])."""
+    from rollout.models.extend_attention_kernel import extend_attention
+
+    ext = torch.tensor([q.shape[0] for q in queries])
+    seq = torch.tensor(starts) + ext
+    return extend_attention(torch.cat(queries), kv, table, ext, seq, max_extend=int(ext.max()), scale=0.25,
+                            window=window, exact=exact)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("window", [None, 40])
+def test_attention_decode_chunks_and_whole_prompt_agree_bitwise(window):
+    """The batch-invariant extend kernel: a query's output is the same bits decoded alone (one query
+    over its prefix), in a chunk of a chunked prefill, in the whole prompt, and next to other requests;
+    and close to a float64 softmax attention."""
+    kv, table, (q, *others) = _paged(0, [150, 70, 9])
+    whole = _attend(kv, table[:1], [q], [0], window=window)                           # [150, H*D]
+    for p in (0, 31, 32, 63, 64, 100, 149):
+        assert torch.equal(_attend(kv, table[:1], [q[p:p + 1]], [p], window=window), whole[p:p + 1]), p
+    assert torch.equal(_attend(kv, table[:1], [q[30:50]], [30], window=window), whole[30:50])
+    batch = _attend(kv, table[[1, 0, 2]], [others[0][60:], q[90:], others[1]], [60, 90, 0], window=window)
+    assert torch.equal(batch[10:70], whole[90:])
+    keys, values = kv[table[0, :150], 0].double(), kv[table[0, :150], 1].double()    # [S, kvH, D]
+    qd = q.double().view(150, 2, 2, 16)                                               # [S, kvH, G, D]
+    s = torch.einsum("qhgd,khd->hgqk", qd, keys) * 0.25
+    pos = torch.arange(150)
+    see = (pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - (window or 10**9))
+    ref = torch.einsum("hgqk,khd->qhgd", s.masked_fill(~see, float("-inf")).softmax(-1), values)
+    assert (whole.double() - ref.reshape(150, -1)).abs().max().item() <= 1e-5
+
+
 @pytest.mark.interpreter
 def test_deterministic_engine_on_the_triton_backend_alone_vs_in_a_batch(tiny_checkpoint):
     from test_deterministic_engine import TARGET, _others, _run, _same
@@ -196,6 +244,8 @@ def test_deterministic_engine_on_the_triton_backend_alone_vs_in_a_batch(tiny_che
     path = tiny_checkpoint("qwen3_moe")
     target = random_prompts(11, [45])[0]
     prompts, params = _others(5, 3)
+    # NOTE: torch attention here (the triton attention under the interpreter costs ~40 s more):
+    # the engine with both triton backends is the slow test below
     with make_engine(path, enable_deterministic_inference=True, moe_backend="triton", chunked_prefill_size=32,
                      client="inproc") as engine:
         alone = _run(engine, target)
@@ -210,14 +260,14 @@ def test_deterministic_engine_on_the_triton_backend_alone_vs_in_a_batch(tiny_che
 @pytest.mark.interpreter
 @pytest.mark.slow
 def test_deterministic_engine_on_the_triton_backend_is_batch_invariant(tiny_checkpoint):
-    """The engine, deterministic on moe_backend="triton": the same checks as on the torch backend
-    (chunks, retractions, a prefix hit, decode vs prefill); the routing is the torch backend's (the
-    same rule) and the logprobs close to it."""
+    """The engine, deterministic on the triton MoE and attention backends: the same checks as on
+    torch (chunks, retractions, a prefix hit, decode vs prefill); the routing is the torch
+    backends' (the same rule) and the logprobs close to theirs."""
     from test_deterministic_engine import _run, check_batch_invariance
     from tiny_models import make_engine, random_prompts
 
     path = tiny_checkpoint("qwen3_moe")
-    alone = check_batch_invariance(path, moe_backend="triton")
+    alone = check_batch_invariance(path, moe_backend="triton", attention_backend="triton")
     with make_engine(path, enable_deterministic_inference=True, enable_prefix_caching=False) as engine:
         on_torch = _run(engine, random_prompts(11, [45])[0])
     assert alone.output_ids == on_torch.output_ids and torch.equal(alone.routed_experts, on_torch.routed_experts)

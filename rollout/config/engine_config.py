@@ -207,9 +207,11 @@ class EngineConfig:
                              f"got {self.attention_backend!r}")
         if self.enable_deterministic_inference:
             # NOTE: moe_backend "triton" runs the batch-invariant experts kernel (moe_triton_exact.py)
-            if self.attention_backend not in (None, "torch"):
-                raise ValueError(f"enable_deterministic_inference runs the batch-invariant torch attention: "
-                                 f"attention_backend must be 'torch' or None, got {self.attention_backend!r}")
+            # NOTE: attention_backend "triton" runs the extend kernel's batch-invariant form
+            if self.attention_backend not in (None, "torch", "triton"):
+                raise ValueError(f"enable_deterministic_inference runs batch-invariant attention kernels: "
+                                 f"attention_backend must be 'torch', 'triton' or None, "
+                                 f"got {self.attention_backend!r}")
             if self.cpu_reserve:
                 raise ValueError(f"enable_deterministic_inference needs the same threads in every forward: "
                                  f"cpu_reserve must be 0, got {self.cpu_reserve}")
@@ -275,11 +277,13 @@ class EngineConfig:
 
     @property
     def resolved_attention_backend(self) -> str:
-        """attention_backend, or by device: CUDA -> flashinfer when importable, else triton; CPU -> torch."""
+        """attention_backend, or by device: CUDA -> flashinfer when importable, else triton; CPU -> torch.
+        Deterministic inference: CUDA -> triton when importable (its batch-invariant form), else torch."""
         if self.attention_backend is not None:
             return self.attention_backend
         if self.enable_deterministic_inference:
-            return "torch"
+            cuda = self.device.startswith("cuda") and importlib.util.find_spec("triton") is not None
+            return "triton" if cuda else "torch"
         from rollout.models.attention_backend import default_attention_backend  # noqa: PLC0415
 
         return default_attention_backend(self.device)
