@@ -2,7 +2,6 @@
 whatever the batch, chunking, prefix-cache state, retraction or DP rank; decode == prefill."""
 from __future__ import annotations
 
-import importlib.util
 import random
 
 import pytest
@@ -110,8 +109,9 @@ def test_dp_ranks_static_runners_and_streaming_agree(tiny_checkpoint, arch):
 def test_config_refuses_what_breaks_invariance():
     from rollout.config import EngineConfig
 
-    on_cuda = "triton" if importlib.util.find_spec("triton") is not None else "torch"
-    assert EngineConfig(enable_deterministic_inference=True, device="cuda").resolved_attention_backend == on_cuda
+    # unset backends resolve to the torch exact ops on every device (the exact-mode trainer's ops)
+    cuda = EngineConfig(enable_deterministic_inference=True, device="cuda")
+    assert (cuda.resolved_attention_backend, cuda.resolved_moe_backend) == ("torch", "torch")
     assert EngineConfig(enable_deterministic_inference=True).resolved_attention_backend == "torch"
     for bad, field in ((dict(attention_backend="flashinfer"), "attention_backend"), (dict(cpu_reserve=1), "cpu_reserve")):
         with pytest.raises(ValueError, match=field):

@@ -278,12 +278,12 @@ class EngineConfig:
     @property
     def resolved_attention_backend(self) -> str:
         """attention_backend, or by device: CUDA -> flashinfer when importable, else triton; CPU -> torch.
-        Deterministic inference: CUDA -> triton when importable (its batch-invariant form), else torch."""
+        Deterministic inference: torch (rollout.exact, the ops the exact-mode trainer computes
+        with); its batch-invariant Triton form only when attention_backend is "triton"."""
         if self.attention_backend is not None:
             return self.attention_backend
         if self.enable_deterministic_inference:
-            cuda = self.device.startswith("cuda") and importlib.util.find_spec("triton") is not None
-            return "triton" if cuda else "torch"
+            return "torch"
         from rollout.models.attention_backend import default_attention_backend  # noqa: PLC0415
 
         return default_attention_backend(self.device)
@@ -296,9 +296,12 @@ class EngineConfig:
     def resolved_moe_backend(self) -> str:
         """The MoE kernels (router and experts): moe_backend, else "triton" on CUDA when triton is
         installed and "torch" otherwise (on CPU Triton runs only under its interpreter, for tests).
-        Deterministic inference too: its experts then run the batch-invariant Triton kernel."""
+        Deterministic inference: torch (the exact-mode trainer's ops) unless moe_backend is "triton"
+        (the batch-invariant Triton experts kernel)."""
         if self.moe_backend is not None:
             return self.moe_backend
+        if self.enable_deterministic_inference:
+            return "torch"
         cuda = self.device.startswith("cuda") and importlib.util.find_spec("triton") is not None
         return "triton" if cuda else "torch"
 
