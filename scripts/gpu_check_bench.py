@@ -63,6 +63,71 @@ def weight_sync_tensor(hf, model, device: str, bucket_bytes: int = 512 << 20) ->
     return {"seconds": secs, "bytes": total, "gb_per_s": total / secs / 1e9}
 
 
+def exact_moe_kernels(report, sec: str, shape, device: str, dtype: torch.dtype, tokens: tuple[int, ...]) -> None:
+    """One MoE layer's experts at the model's shape: the batch-invariant kernel (deterministic
+    inference) vs the default one (atomics), same routing, median ms side by side; and whether a
+    row of the batch is the same bits as that row alone."""
+    from bench_moe import timed  # noqa: PLC0415
+
+    from rollout.models.moe_triton import fused_moe  # noqa: PLC0415
+    from rollout.models.moe_triton_exact import fused_moe_exact  # noqa: PLC0415
+    from rollout.models.topk import softmax_topk  # noqa: PLC0415
+
+    dev = torch.device(device)
+    gen = torch.Generator(device=dev).manual_seed(0)
+    w13 = torch.randn(shape.experts, 2 * shape.expert_inter, shape.hidden, generator=gen, device=dev) \
+        .mul_(shape.hidden ** -0.5).to(dtype)
+    w2 = torch.randn(shape.experts, shape.hidden, shape.expert_inter, generator=gen, device=dev) \
+        .mul_(shape.expert_inter ** -0.5).to(dtype)
+    repeats = 3 if dev.type == "cpu" else 20
+    with torch.inference_mode():
+        for n in tokens:
+            x = torch.randn(n, shape.hidden, generator=gen, device=dev).to(dtype)
+            w, ids = softmax_topk(torch.randn(n, shape.experts, generator=gen, device=dev), shape.top_k, True)
+            exact = fused_moe_exact(x, w13, w2, w, ids, 0)
+            same = torch.equal(exact[:1], fused_moe_exact(x[:1], w13, w2, w[:1], ids[:1], 0))
+            t_exact = timed(lambda: fused_moe_exact(x, w13, w2, w, ids, 0), repeats, dev)
+            t_default = timed(lambda: fused_moe(x, w13, w2, w, ids, 0), repeats, dev)
+            report.add(sec, f"fused MoE experts T={n} ({str(dtype).removeprefix('torch.')}): batch-invariant / "
+                            f"default kernel ms", f"{t_exact * 1e3:.3f} / {t_default * 1e3:.3f} = "
+                       f"{t_exact / t_default:.2f}x", "", "", exact_ms=t_exact * 1e3, default_ms=t_default * 1e3)
+            report.add(sec, f"fused MoE experts T={n}: batch-invariant row 0 == row 0 alone (bitwise)", same, "True",
+                       "ok" if same else "FAIL")
+
+
+def exact_decode_attention(report, sec: str, shape, device: str, dtype: torch.dtype, batch: int, context: int) -> None:
+    """One layer's decode step: the batch-invariant extend kernel (deterministic inference) vs the
+    default split-KV decode kernel, median ms side by side; and whether request 0's output in the
+    batch is the same bits as alone."""
+    from bench_moe import timed  # noqa: PLC0415
+
+    from rollout.models.decode_attention_kernel import decode_attention  # noqa: PLC0415
+    from rollout.models.extend_attention_kernel import extend_attention  # noqa: PLC0415
+
+    dev = torch.device(device)
+    gen = torch.Generator(device=dev).manual_seed(0)
+    kv = torch.randn(batch * context, 2, shape.kv_heads, shape.head_dim, generator=gen, device=dev).to(dtype)
+    table = torch.randperm(batch * context, generator=gen, device=dev).view(batch, context)
+    q = torch.randn(batch, shape.heads, shape.head_dim, generator=gen, device=dev).to(dtype)
+    lens = torch.full((batch,), context, device=dev)
+    ones = torch.ones(batch, dtype=torch.int64, device=dev)
+    scale = shape.head_dim ** -0.5
+
+    def exact(n=batch):
+        return extend_attention(q[:n], kv, table[:n], ones[:n], lens[:n], max_extend=1, scale=scale, exact=True)
+
+    with torch.inference_mode():
+        same = torch.equal(exact()[:1], exact(1))
+        t_exact = timed(exact, 3 if dev.type == "cpu" else 20, dev)
+        t_default = timed(lambda: decode_attention(q, kv, table, lens, scale=scale), 3 if dev.type == "cpu" else 20, dev)
+    tag = f"B={batch}, context {context} ({str(dtype).removeprefix('torch.')})"
+    report.add(sec, f"decode attention {tag}: batch-invariant / default kernel ms",
+               f"{t_exact * 1e3:.3f} / {t_default * 1e3:.3f} = {t_exact / t_default:.2f}x", "", "",
+               exact_ms=t_exact * 1e3, default_ms=t_default * 1e3)
+    report.add(sec, f"decode attention {tag}: batch-invariant request 0 == alone (bitwise)", same, "True",
+               "ok" if same else "FAIL")
+
+
 def run_benchmark(report, smoke: bool, device: str, deadline: float, workdir: str) -> None:
     from gpu_check import guarded  # noqa: PLC0415
 
@@ -156,6 +221,8 @@ def run_benchmark(report, smoke: bool, device: str, deadline: float, workdir: st
                        status="skipped")
 
     guarded(report, sec, transformers_run)
+    guarded(report, sec, exact_moe_kernels, report, sec, shape, device, dtype, (4, 16) if smoke else (64, 4096))
+    guarded(report, sec, exact_decode_attention, report, sec, shape, device, dtype, *((4, 64) if smoke else (64, 2048)))
     for backend in backends[1:]:
         guarded(report, sec, engine_runs, backend, True, True)
     guarded(report, sec, weight_sync)

@@ -47,13 +47,18 @@ def _mixed(engine, target, seed: int):
 @pytest.mark.parametrize("arch", [a if a == "qwen3_moe" else pytest.param(a, marks=pytest.mark.slow)
                                   for a in ARCHS + GROUPED_ARCHS])
 def test_request_is_batch_invariant(tiny_checkpoint, arch):
-    path = tiny_checkpoint(arch)
+    check_batch_invariance(tiny_checkpoint(arch))
+
+
+def check_batch_invariance(path, **engine_kw):
+    """The target alone vs among others with small chunks, retractions and a prefix hit, and decode
+    vs the same tokens scored as a prompt: the same bits. -> the target's output alone."""
     target = random_prompts(11, [45])[0]
-    with make_engine(path, enable_deterministic_inference=True, enable_prefix_caching=False) as engine:
+    with make_engine(path, enable_deterministic_inference=True, enable_prefix_caching=False, **engine_kw) as engine:
         alone = _run(engine, target)
     # small chunks, a tight KV pool (retractions), prefix-cache hits, other requests all around
     with make_engine(path, enable_deterministic_inference=True, chunked_prefill_size=16,
-                     max_total_tokens=260) as engine:
+                     max_total_tokens=260, **engine_kw) as engine:
         mixed = _mixed(engine, target, seed=3)
         hit = _run(engine, target)
         # decode vs prefill: the same tokens scored at once by a later request
@@ -69,6 +74,7 @@ def test_request_is_batch_invariant(tiny_checkpoint, arch):
     assert torch.equal(torch.tensor(scored.input_logprobs), torch.tensor(alone.output_logprobs))
     rows = alone.routed_experts.shape[0]
     assert torch.equal(scored.routed_experts[:rows], alone.routed_experts)
+    return alone
 
 
 BUCKETS = dict(decode_graph_batch_sizes=(1, 2, 4), prefill_graph_token_sizes=(16, 32), chunked_prefill_size=48)
@@ -103,9 +109,11 @@ def test_dp_ranks_static_runners_and_streaming_agree(tiny_checkpoint, arch):
 def test_config_refuses_what_breaks_invariance():
     from rollout.config import EngineConfig
 
-    assert EngineConfig(enable_deterministic_inference=True, device="cuda").resolved_attention_backend == "torch"
-    for bad, field in ((dict(moe_backend="triton"), "moe_backend"), (dict(attention_backend="flashinfer"),
-                       "attention_backend"), (dict(cpu_reserve=1), "cpu_reserve")):
+    # unset backends resolve to the torch exact ops on every device (the exact-mode trainer's ops)
+    cuda = EngineConfig(enable_deterministic_inference=True, device="cuda")
+    assert (cuda.resolved_attention_backend, cuda.resolved_moe_backend) == ("torch", "torch")
+    assert EngineConfig(enable_deterministic_inference=True).resolved_attention_backend == "torch"
+    for bad, field in ((dict(attention_backend="flashinfer"), "attention_backend"), (dict(cpu_reserve=1), "cpu_reserve")):
         with pytest.raises(ValueError, match=field):
             EngineConfig(enable_deterministic_inference=True, **bad)
         EngineConfig(**bad)   # fine without the mode

@@ -206,10 +206,12 @@ class EngineConfig:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS} or None (by device), "
                              f"got {self.attention_backend!r}")
         if self.enable_deterministic_inference:
-            for name, value in (("moe_backend", self.moe_backend), ("attention_backend", self.attention_backend)):
-                if value not in (None, "torch"):
-                    raise ValueError(f"enable_deterministic_inference runs the batch-invariant torch ops: "
-                                     f"{name} must be 'torch' or None, got {value!r}")
+            # NOTE: moe_backend "triton" runs the batch-invariant experts kernel (moe_triton_exact.py)
+            # NOTE: attention_backend "triton" runs the extend kernel's batch-invariant form
+            if self.attention_backend not in (None, "torch", "triton"):
+                raise ValueError(f"enable_deterministic_inference runs batch-invariant attention kernels: "
+                                 f"attention_backend must be 'torch', 'triton' or None, "
+                                 f"got {self.attention_backend!r}")
             if self.cpu_reserve:
                 raise ValueError(f"enable_deterministic_inference needs the same threads in every forward: "
                                  f"cpu_reserve must be 0, got {self.cpu_reserve}")
@@ -275,7 +277,9 @@ class EngineConfig:
 
     @property
     def resolved_attention_backend(self) -> str:
-        """attention_backend, or by device: CUDA -> flashinfer when importable, else triton; CPU -> torch."""
+        """attention_backend, or by device: CUDA -> flashinfer when importable, else triton; CPU -> torch.
+        Deterministic inference: torch (rollout.exact, the ops the exact-mode trainer computes
+        with); its batch-invariant Triton form only when attention_backend is "triton"."""
         if self.attention_backend is not None:
             return self.attention_backend
         if self.enable_deterministic_inference:
@@ -291,7 +295,9 @@ class EngineConfig:
     @property
     def resolved_moe_backend(self) -> str:
         """The MoE kernels (router and experts): moe_backend, else "triton" on CUDA when triton is
-        installed and "torch" otherwise (on CPU Triton runs only under its interpreter, for tests)."""
+        installed and "torch" otherwise (on CPU Triton runs only under its interpreter, for tests).
+        Deterministic inference: torch (the exact-mode trainer's ops) unless moe_backend is "triton"
+        (the batch-invariant Triton experts kernel)."""
         if self.moe_backend is not None:
             return self.moe_backend
         if self.enable_deterministic_inference:

@@ -100,8 +100,9 @@ class EngineCore(EngineControl):
                                   capture_buffer=self.capturer.buffer if self.capturer else None,
                                   seq_capacity=self.context_length, ep_group=ep_group,
                                   variant_axes=cfg.graph_variant_axes,
-                                  attention_backend=make_attention_backend(cfg.resolved_attention_backend,
-                                                                           device=self.device, model=self.model))
+                                  attention_backend=make_attention_backend(
+                                      cfg.resolved_attention_backend, device=self.device, model=self.model,
+                                      exact=cfg.enable_deterministic_inference))
         if self.capturer is not None:
             self.runner.plan.check_capture_fits(self.capturer.buffer.rows)
         self.runner.capture(GraphCaptureProfiler(cfg.resolved_profile_graph_capture_dir))

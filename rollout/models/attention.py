@@ -48,8 +48,9 @@ class PagedAttention(nn.Module):
     def attend(self, q: torch.Tensor, fb: ForwardBatch, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
         """q [N, H, D] over the KV already in the pool -> [N, H*D], through the engine's attention
         backend (fb.attention: Triton or FlashInfer kernels) or, without one, torch. Deterministic
-        inference (exact): rollout.exact.attention over the same grids as torch (no cascade)."""
-        if fb.attention is not None and not self.exact:
+        inference (exact): a backend's batch-invariant kernels (its `exact`), else
+        rollout.exact.attention over the same grids as torch (no cascade)."""
+        if fb.attention is not None and (not self.exact or getattr(fb.attention, "exact", False)):
             return fb.attention.attend(self, q, fb, attn_mask)
         return self.torch_attend(q, fb, attn_mask)
 
@@ -122,7 +123,9 @@ class PagedAttention(nn.Module):
     def reads_mask(self, fb: ForwardBatch) -> bool:
         """Whether this layer's attend reads masks (the torch paths); the kernels of a backend
         whose `reads_mask` is False never do."""
-        return self.exact or fb.attention is None or fb.attention.reads_mask
+        if fb.attention is None:
+            return True
+        return (self.exact and not getattr(fb.attention, "exact", False)) or fb.attention.reads_mask
 
     def _exact_grid(self, q: torch.Tensor, slots: torch.Tensor, bsz: int, extend: int,
                     q_pad_index: torch.Tensor | None, mask: torch.Tensor, pool) -> torch.Tensor:

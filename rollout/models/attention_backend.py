@@ -55,20 +55,23 @@ def check_attention_backend(name: str, device: str) -> None:
 
 class TritonAttentionBackend:
     """The Triton kernels: split-KV decode, extend (prefill over cached prefixes) and, for an
-    eager decode step whose requests share prefixes, the cascade."""
+    eager decode step whose requests share prefixes, the cascade. exact (deterministic inference):
+    every step, decode included, through the extend kernel in its batch-invariant form (no splits,
+    no cascade), so a query's bits are the same in decode, chunked prefill and a whole prompt."""
 
     name = "triton"
     reads_mask = False   # the kernels mask by seq_lens / extend_lens and the layer's window
 
-    def __init__(self, *, num_splits: Optional[int] = None):
+    def __init__(self, *, num_splits: Optional[int] = None, exact: bool = False):
         self.num_splits = num_splits   # decode splits over the KV length; None: by device and batch
+        self.exact = exact
         # layer calls per path ("decode", "extend", "cascade"); Python calls, so under CUDA graphs
         # only the captures count
         self.calls: Counter = Counter()
 
     def bind(self, fb: ForwardBatch, *, static: bool) -> ForwardBatch:
         plan = None
-        if not static and fb.prefix_groups and fb.max_extend == 1:
+        if not static and fb.prefix_groups and fb.max_extend == 1 and not self.exact:
             meta = paged_kv_metadata(extend_lens=[1] * fb.batch_size, seq_lens=fb.lens_on_host()[0],
                                      kv_indices=fb.kv_indices, prefix_groups=fb.prefix_groups,
                                      device=fb.kv_indices.device)
@@ -89,6 +92,10 @@ class TritonAttentionBackend:
         if fb.attention_plan is not None and window is None:
             self.calls["cascade"] += 1
             return cascade_decode_attention(q, kv, fb.attention_plan, scale=attn.scale, num_splits=self.num_splits)
+        if self.exact:
+            self.calls["exact"] += 1
+            return extend_attention(q, kv, fb.kv_indices, fb.extend_lens, fb.seq_lens, max_extend=fb.max_extend,
+                                    scale=attn.scale, window=window, exact=True)
         if fb.max_extend == 1:
             self.calls["decode"] += 1
             return decode_attention(q, kv, fb.kv_indices, fb.seq_lens, scale=attn.scale, window=window,
@@ -98,15 +105,19 @@ class TritonAttentionBackend:
                                 scale=attn.scale, window=window)
 
 
-def make_attention_backend(name: str, *, device: torch.device, model: torch.nn.Module) -> Optional[Any]:
-    """The backend object ModelRunner binds into each forward; None for torch."""
+def make_attention_backend(name: str, *, device: torch.device, model: torch.nn.Module,
+                           exact: bool = False) -> Optional[Any]:
+    """The backend object ModelRunner binds into each forward; None for torch. exact: deterministic
+    inference (triton only: the batch-invariant kernel)."""
     check_attention_backend(name, str(device))
     if name == "torch" or getattr(model.spec, "mla", None) is not None:
         # NOTE: the kernels are built for the GQA pool layout; MLA layers (latent_attention.py)
         # always attend with torch over the latent pool, so nothing is bound for them.
         return None
     if name == "triton":
-        return TritonAttentionBackend()
+        return TritonAttentionBackend(exact=exact)
+    if exact:
+        raise ValueError(f"enable_deterministic_inference: attention_backend must be 'torch' or 'triton', got {name!r}")
     from rollout.models.flashinfer_backend import FlashInferAttentionBackend  # noqa: PLC0415
 
     spec = model.spec

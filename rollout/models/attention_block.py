@@ -12,15 +12,18 @@ import triton.language as tl
 
 @triton.jit
 def attend_block(q, m_i, l_i, acc, KV, Table, pos, n_mask, see, kvh, stride_ks, stride_kt, stride_kh, offs_d,
-                 d_mask, scale, IEEE: tl.constexpr):
+                 d_mask, scale, IEEE: tl.constexpr, ROWWISE: tl.constexpr = False):
     """q [M, D] (KV's dtype), keys at slots Table[pos] (n_mask: pos in range; see [M, N]: row may
-    attend) -> updated m_i [M], l_i [M], acc [M, D]."""
+    attend) -> updated m_i [M], l_i [M], acc [M, D]. ROWWISE: products as broadcast sums, the same
+    for every row (the interpreter's tl.dot is numpy's BLAS, whose rows depend on their place)."""
     slot = tl.load(Table + pos, mask=n_mask, other=0).to(tl.int64)
     kv_ptr = KV + slot[:, None] * stride_ks + kvh * stride_kh + offs_d[None, :]
     kd_mask = n_mask[:, None] & d_mask[None, :]
     k = tl.load(kv_ptr, mask=kd_mask, other=0.0)                                 # [N, D]
     v = tl.load(kv_ptr + stride_kt, mask=kd_mask, other=0.0)                     # [N, D]
-    if IEEE:
+    if ROWWISE:
+        s = tl.sum(q[:, None, :].to(tl.float32) * k[None, :, :].to(tl.float32), axis=2)
+    elif IEEE:
         s = tl.dot(q, tl.trans(k), input_precision="ieee")
     else:
         s = tl.dot(q, tl.trans(k))
@@ -30,7 +33,9 @@ def attend_block(q, m_i, l_i, acc, KV, Table, pos, n_mask, see, kvh, stride_ks, 
     alpha = tl.exp(m_i - m_safe)
     p = tl.exp(s - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    if IEEE:
+    if ROWWISE:
+        pv = tl.sum(p[:, :, None] * v[None, :, :].to(tl.float32), axis=1)
+    elif IEEE:
         pv = tl.dot(p, v, input_precision="ieee")
     else:
         pv = tl.dot(p.to(v.dtype), v)

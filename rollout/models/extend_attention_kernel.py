@@ -22,7 +22,8 @@ def _extend_kernel(Q, KV, Table, QoStart, QoLen, KvStart, KvLen, Out,
                    stride_qn, stride_qh, stride_ks, stride_kt, stride_kh, stride_on, stride_oh,
                    scale, window,
                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_D: tl.constexpr, IEEE: tl.constexpr):
+                   BLOCK_D: tl.constexpr, IEEE: tl.constexpr, ALIGN: tl.constexpr = False,
+                   ROWWISE: tl.constexpr = False):
     b = tl.program_id(0)
     h = tl.program_id(1)
     mblk = tl.program_id(2)
@@ -45,6 +46,10 @@ def _extend_kernel(Q, KV, Table, QoStart, QoLen, KvStart, KvLen, Out,
     hi = tl.minimum(kv_len, blk_first + BLOCK_M)     # causal: no key after the block's last query
     hi = tl.where(mblk * BLOCK_M < qo_len, hi, 0)    # a block past the request's tokens: nothing
     lo = tl.maximum(blk_first - window + 1, 0)       # sliding window of the block's first query
+    if ALIGN:
+        # NOTE: key tiles start at multiples of BLOCK_N: a query's tiles are the same whatever its
+        # block (the extra leading / trailing tiles are all masked for it and leave its sums unchanged)
+        lo = lo // BLOCK_N * BLOCK_N
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -53,7 +58,7 @@ def _extend_kernel(Q, KV, Table, QoStart, QoLen, KvStart, KvLen, Out,
         n_mask = pos < hi
         see = n_mask[None, :] & (pos[None, :] <= q_pos[:, None]) & (pos[None, :] > q_pos[:, None] - window)
         m_i, l_i, acc = attend_block(q, m_i, l_i, acc, KV, Table + kv_start, pos, n_mask, see, kvh,
-                                     stride_ks, stride_kt, stride_kh, offs_d, d_mask, scale, IEEE)
+                                     stride_ks, stride_kt, stride_kh, offs_d, d_mask, scale, IEEE, ROWWISE)
     out, _ = finish_rows(m_i, l_i, acc)
     tl.store(Out + (qo_start + offs_m)[:, None] * stride_on + h * stride_oh + offs_d[None, :],
              out.to(Out.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
@@ -61,18 +66,20 @@ def _extend_kernel(Q, KV, Table, QoStart, QoLen, KvStart, KvLen, Out,
 
 def extend_attention(q: torch.Tensor, kv_buffer: torch.Tensor, kv_indices: torch.Tensor, extend_lens: torch.Tensor,
                      seq_lens: torch.Tensor, *, max_extend: int, scale: float, window: int | None = None,
-                     block_m: int | None = None) -> torch.Tensor:
+                     block_m: int | None = None, exact: bool = False) -> torch.Tensor:
     """q [N, H, D] packed (request b's extend_lens[b] new tokens in order, at positions
     seq_lens[b] - extend_lens[b] ..), kv_buffer [slots, 2, kvH, D] (the new tokens' k/v already
     written), kv_indices [B, S] slots by position -> [N, H*D] in q's dtype. max_extend: the
-    largest extend_lens (a host int: the grid)."""
+    largest extend_lens (a host int: the grid). exact: batch-invariant (deterministic inference):
+    fixed blocks, key tiles aligned at key 0, so a query's bits depend only on its own request's
+    keys up to it: decode (extend 1), chunked prefill and a whole prompt agree."""
     n, heads, dim = q.shape
     bsz = extend_lens.shape[0]
     out = torch.zeros(n, heads, dim, dtype=q.dtype, device=q.device)
     if n == 0 or bsz == 0:
         return out.view(n, heads * dim)
     # NOTE: the interpreter pays per program: bigger query blocks on CPU
-    block_m = block_m or (32 if q.is_cuda else 64)
+    block_m = (32 if q.is_cuda else 64) if exact or block_m is None else block_m
     table = kv_indices.contiguous()
     kv_start = torch.arange(bsz, device=q.device, dtype=torch.int64) * table.shape[1]
     qo_start = torch.cumsum(extend_lens, 0) - extend_lens
@@ -83,5 +90,6 @@ def extend_attention(q: torch.Tensor, kv_buffer: torch.Tensor, kv_indices: torch
         q.stride(0), q.stride(1), kv_buffer.stride(0), kv_buffer.stride(1), kv_buffer.stride(2),
         out.stride(0), out.stride(1), scale, NO_WINDOW if window is None else window,
         GROUP=heads // kvh, HEAD_DIM=dim, BLOCK_M=block_m, BLOCK_N=32,
-        BLOCK_D=max(16, triton.next_power_of_2(dim)), IEEE=kv_buffer.dtype == torch.float32)
+        BLOCK_D=max(16, triton.next_power_of_2(dim)), IEEE=kv_buffer.dtype == torch.float32,
+        ALIGN=exact, ROWWISE=exact and not q.is_cuda)
     return out.view(n, heads * dim)

@@ -57,8 +57,9 @@ class FusedExperts(nn.Module):
 
         Only the experts this module holds contribute (expert parallel: the other ranks add theirs).
         experts: [lo, hi) to narrow that further (default: all held). graph_safe: no host syncs
-        (CUDA graph capture). impl: force "padded", "grouped", "loop", "dense" or "triton" (the fused
-        kernels of moe_triton.py; no host sync) (default: choose_impl).
+        (CUDA graph capture). impl: force "padded", "grouped", "loop", "dense", "triton" (the fused
+        kernels of moe_triton.py; no host sync) or "exact_triton" (their batch-invariant form,
+        moe_triton_exact.py) (default: "exact" when exact, else choose_impl).
         """
         lo, hi = experts if experts is not None else (self.expert_lo, self.expert_hi)
         if not self.expert_lo <= lo <= hi <= self.expert_hi:
@@ -66,7 +67,7 @@ class FusedExperts(nn.Module):
         if lo == hi:
             return torch.zeros_like(x)
         impl = impl or ("exact" if self.exact else self.choose_impl(x, graph_safe, topk_ids.numel()))
-        run = {"exact": self._forward_exact, "padded": self._forward_padded, "grouped": self._forward_grouped, "loop": self._forward_loop,
+        run = {"exact": self._forward_exact, "exact_triton": self._forward_exact_triton, "padded": self._forward_padded, "grouped": self._forward_grouped, "loop": self._forward_loop,
                "dense": self._forward_dense, "triton": self._forward_triton}[impl]
         return run(x, topk_weights, topk_ids, lo, hi)
 
@@ -168,9 +169,20 @@ class FusedExperts(nn.Module):
         return exact_ops.fused_experts(x, self.w13[first:first + hi - lo], self.w2[first:first + hi - lo],
                                        topk_weights, topk_ids, lo, per_slot=per_slot)
 
-    def exact_terms(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-        """The held experts' weighted outputs per top-k slot [N, K, H] (0 for slots routed elsewhere)."""
-        return self._forward_exact(x, topk_weights, topk_ids, self.expert_lo, self.expert_hi, per_slot=True)
+    def _forward_exact_triton(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                              lo: int, hi: int, per_slot: bool = False) -> torch.Tensor:
+        from rollout.models.moe_triton_exact import fused_moe_exact  # noqa: PLC0415  (triton only when chosen)
+
+        first = lo - self.expert_lo
+        return fused_moe_exact(x, self.w13[first:first + hi - lo], self.w2[first:first + hi - lo], topk_weights,
+                               topk_ids, lo, per_slot=per_slot)
+
+    def exact_terms(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                    triton: bool = False) -> torch.Tensor:
+        """The held experts' weighted outputs per top-k slot [N, K, H] (0 for slots routed elsewhere);
+        triton: by the batch-invariant Triton kernel (moe_triton_exact.py)."""
+        run = self._forward_exact_triton if triton else self._forward_exact
+        return run(x, topk_weights, topk_ids, self.expert_lo, self.expert_hi, per_slot=True)
 
     def _forward_triton(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                         lo: int, hi: int) -> torch.Tensor:
@@ -226,7 +238,8 @@ class SparseMoE(nn.Module):
             if self.experts.exact:
                 # NOTE: the ranks' terms are added per slot (one nonzero term each), then the slots
                 # in order: the same bits as one rank holding every expert
-                terms = self.experts.exact_terms(x_all, topk_weights, topk_ids)  # [rows, K, H]
+                terms = self.experts.exact_terms(x_all, topk_weights, topk_ids,
+                                                 triton=self.moe_backend == "triton")  # [rows, K, H]
                 rows, k, hidden = terms.shape
                 own = ep.reduce_own(terms.view(rows, k * hidden), fb.layout)     # [N, K*H]
                 out = exact_ops.sum_slots(own.view(-1, k, hidden))               # [N, H]
@@ -239,7 +252,15 @@ class SparseMoE(nn.Module):
 
     @property
     def _experts_impl(self) -> str | None:
-        return "triton" if self.moe_backend == "triton" else None
+        if self.moe_backend != "triton":
+            return None
+        return "exact_triton" if self.experts.exact else "triton"
+
+    @property
+    def _triton_router(self) -> bool:
+        """The router kernel of topk_triton.py: on the triton backend, outside deterministic inference
+        (whose routing stays rollout/models/topk.py's: a row's softmax and top-k are its own)."""
+        return self.moe_backend == "triton" and not self.gate.exact
 
     def route(self, x: torch.Tensor, fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """x [rows, H] -> topk_weights float32 [rows, K], topk_ids int64 [rows, K] (captured)."""
@@ -253,7 +274,7 @@ class SparseMoE(nn.Module):
         return sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
 
     def _route(self, router_logits: torch.Tensor, fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.moe_backend == "triton":
+        if self._triton_router:
             from rollout.models.topk_triton import softmax_topk_triton  # noqa: PLC0415  (triton only when chosen)
 
             return softmax_topk_triton(router_logits, self.top_k, self.renormalize, capture=fb.capture,

@@ -29,7 +29,11 @@ def _block_rows(pairs_ptr, num_pairs, top_k, BLOCK_M: tl.constexpr, BLOCK_N: tl.
 
 
 @triton.jit
-def _dot(a, b, acc, IEEE: tl.constexpr):
+def _dot(a, b, acc, IEEE: tl.constexpr, ROWWISE: tl.constexpr = False):
+    if ROWWISE:
+        # NOTE: the interpreter's tl.dot is numpy's BLAS, whose result for a row depends on the row's
+        # place in the block; a broadcast product summed over K is the same for every row
+        return acc + tl.sum(a[:, :, None] * b[None, :, :], axis=1)
     if IEEE:
         return tl.dot(a, b, acc, input_precision="ieee")
     return tl.dot(a, b, acc)
@@ -39,7 +43,8 @@ def _dot(a, b, acc, IEEE: tl.constexpr):
 def _w13_kernel(x_ptr, w_ptr, h_ptr, pairs_ptr, block_expert_ptr,
                 num_pairs, top_k, hidden, inter,
                 stride_x, stride_we, stride_wn, stride_wk, stride_h,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
+                ROWWISE: tl.constexpr = False):
     expert = tl.load(block_expert_ptr + tl.program_id(0))
     if expert < 0:
         return
@@ -57,21 +62,21 @@ def _w13_kernel(x_ptr, w_ptr, h_ptr, pairs_ptr, block_expert_ptr,
         w_gate = tl.load(w_base + n[None, :] * stride_wn + kk[:, None] * stride_wk, mask=w_mask, other=0.0)
         w_up = tl.load(w_base + (n + inter)[None, :] * stride_wn + kk[:, None] * stride_wk, mask=w_mask,
                        other=0.0)                                                       # [K, N]
-        acc_gate = _dot(a, w_gate, acc_gate, IEEE)
-        acc_up = _dot(a, w_up, acc_up, IEEE)
+        acc_gate = _dot(a, w_gate, acc_gate, IEEE, ROWWISE)
+        acc_up = _dot(a, w_up, acc_up, IEEE, ROWWISE)
     h = acc_gate / (1.0 + tl.exp(-acc_gate)) * acc_up                                  # silu(gate) * up
     tl.store(h_ptr + pair[:, None] * stride_h + n[None, :], h.to(h_ptr.dtype.element_ty),
              mask=row_ok[:, None] & n_ok[None, :])
 
 
 @triton.jit
-def _w2_kernel(h_ptr, w_ptr, out_ptr, pairs_ptr, block_expert_ptr, weights_ptr,
-               num_pairs, top_k, hidden, inter,
-               stride_h, stride_we, stride_wn, stride_wk, stride_out,
-               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
+def _w2_block(h_ptr, w_ptr, pairs_ptr, block_expert_ptr, num_pairs, top_k, hidden, inter,
+              stride_h, stride_we, stride_wn, stride_wk,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
+              ROWWISE: tl.constexpr):
+    """This program's block of h @ w2[expert].T in fp32 (its expert >= 0) -> pairs [M], which are
+    real [M], tokens [M], hidden columns [N], columns in range [N], acc [M, N]."""
     expert = tl.load(block_expert_ptr + tl.program_id(0))
-    if expert < 0:
-        return
     pair, row_ok, token, n = _block_rows(pairs_ptr, num_pairs, top_k, BLOCK_M, BLOCK_N)   # n: hidden columns
     n_ok = n < hidden
     w_base = w_ptr + expert.to(tl.int64) * stride_we
@@ -83,7 +88,20 @@ def _w2_kernel(h_ptr, w_ptr, out_ptr, pairs_ptr, block_expert_ptr, weights_ptr,
                     mask=row_ok[:, None] & k_ok[None, :], other=0.0)                    # [M, K]
         w = tl.load(w_base + n[None, :] * stride_wn + kk[:, None] * stride_wk,
                     mask=k_ok[:, None] & n_ok[None, :], other=0.0)                      # [K, N]
-        acc = _dot(a, w, acc, IEEE)
+        acc = _dot(a, w, acc, IEEE, ROWWISE)
+    return pair, row_ok, token, n, n_ok, acc
+
+
+@triton.jit
+def _w2_kernel(h_ptr, w_ptr, out_ptr, pairs_ptr, block_expert_ptr, weights_ptr,
+               num_pairs, top_k, hidden, inter,
+               stride_h, stride_we, stride_wn, stride_wk, stride_out,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
+    if tl.load(block_expert_ptr + tl.program_id(0)) < 0:
+        return
+    pair, row_ok, token, n, n_ok, acc = _w2_block(h_ptr, w_ptr, pairs_ptr, block_expert_ptr, num_pairs, top_k,
+                                                  hidden, inter, stride_h, stride_we, stride_wn, stride_wk,
+                                                  BLOCK_M, BLOCK_N, BLOCK_K, IEEE, False)
     weight = tl.load(weights_ptr + pair, mask=row_ok, other=0.0).to(tl.float32)        # [M]
     # NOTE: the k pairs of one token sit in different blocks: atomic adds, so on a GPU the order of
     # the (at most top_k) fp32 additions per element varies from run to run (as torch's index_add_).

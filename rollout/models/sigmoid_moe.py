@@ -53,7 +53,7 @@ class GroupedSigmoidMoE(SparseMoE):
                                if spec.shared_experts_intermediate_size > 0 else None)
 
     def route(self, x: torch.Tensor, fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.moe_backend == "triton":
+        if self._triton_router:
             from rollout.models.topk_triton import grouped_sigmoid_topk_triton  # noqa: PLC0415  (triton only when chosen)
 
             return grouped_sigmoid_topk_triton(
