@@ -40,6 +40,8 @@ from typing import Optional
 import httpx
 import torch
 
+from rollout.weight_group import init_custom_process_group
+
 from .client import RolloutClient, RolloutError
 
 logger = logging.getLogger(__name__)
@@ -62,22 +64,6 @@ def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def init_custom_process_group(backend: str, init_method: str, world_size: int, rank: int, group_name: str,
-                              timeout: datetime.timedelta):
-    """A process group of its own (TCPStore rendezvous), never the default group, so it cannot clash
-    with the trainer's own (DeepSpeed) group. The servers join it with the same construction."""
-    from torch.distributed.distributed_c10d import (Backend, PrefixStore, _new_process_group_helper, _world,
-                                                    rendezvous)
-
-    store, rank, world_size = next(rendezvous(init_method, rank, world_size, timeout=timeout))
-    store.set_timeout(timeout)
-    store = PrefixStore(group_name, store)
-    pg, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), store, group_name=group_name,
-                                      timeout=timeout)
-    _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
-    return pg
 
 
 class WeightSync:

@@ -31,28 +31,13 @@ from typing import Any, Iterator, Optional
 import torch
 
 from rollout.models.loader import _experts_of, _pieces, copy_into, plan, resolve, source_view
+from rollout.weight_group import init_custom_process_group
 
 logger = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "float": torch.float32, "float16": torch.float16, "half": torch.float16,
           "bfloat16": torch.bfloat16, "float64": torch.float64, "double": torch.float64}
 LOAD_FORMATS = (None, "flattened_bucket")
 BACKENDS = ("gloo", "nccl")
-
-
-def init_custom_process_group(backend: str, init_method: str, world_size: int, rank: int, group_name: str,
-                              timeout: datetime.timedelta):
-    """A process group of its own (TCPStore rendezvous), never the default group, so it cannot
-    clash with the DP ranks' group. The trainer side builds the same group with rank 0."""
-    from torch.distributed.distributed_c10d import (Backend, PrefixStore, _new_process_group_helper, _world,
-                                                    rendezvous)
-
-    store, rank, world_size = next(rendezvous(init_method, rank, world_size, timeout=timeout))
-    store.set_timeout(timeout)
-    store = PrefixStore(group_name, store)
-    pg, _ = _new_process_group_helper(world_size, rank, [], Backend(backend), store, group_name=group_name,
-                                      timeout=timeout)
-    _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
-    return pg
 
 
 def buckets(nbytes: list[int], bucket_bytes: int) -> Iterator[range]:
