@@ -29,13 +29,17 @@ class WeightControl:
     # NOTE: one weight call at a time, so every DP rank gets the collective ones in the same order
     _weights_lock: threading.Lock
 
-    def _when_idle(self, attempt: Callable[[], list], *, abort_all_requests: bool, poll_s: float) -> list:
+    def _when_idle(self, attempt: Callable[[], list], *, abort_all_requests: bool, poll_s: float,
+                   prepare: Optional[Callable[[], None]] = None) -> list:
         """attempt() on every rank once the requests that arrived before are done (each rank
-        answers None while not); requests arriving meanwhile queue for the new weights."""
+        answers None while not); requests arriving meanwhile queue for the new weights. prepare()
+        runs once admission is held (and the requests aborted, when asked), before the wait."""
         if abort_all_requests:
             self._call("abort_all")
         self._call("hold_admission")
         try:
+            if prepare is not None:
+                prepare()
             while True:
                 # NOTE: a cheap check first, so the tensors travel to the ranks only once the running
                 # requests are done (or paused, when they get retracted)
@@ -48,7 +52,7 @@ class WeightControl:
             if self._client.dead_reason is None:
                 self._call("release_admission")
 
-    def swap_weights(self, staged: dict, *, weight_version: Optional[str] = None,
+    def swap_weights(self, staged: dict | Callable[[], dict], *, weight_version: Optional[str] = None,
                      abort_all_requests: bool = False, poll_s: float = 0.005) -> int:
         """Installs already validated and staged HF-named tensors, all at once, between steps.
 
@@ -57,16 +61,19 @@ class WeightControl:
         finish on the current weights, as SGLang does; requests that arrive meanwhile queue and run
         on the new weights. Paused, the running requests are retracted instead. The prefix cache is
         flushed and weight_version set (when given). Blocks the calling thread; returns the tensors
-        copied.
+        copied. staged may be a function that makes them (reads a checkpoint): it runs after the
+        abort, with admission held, as SGLang reads a checkpoint under its update lock.
         """
         from rollout.core.engine_loop import tensors_to_wire  # noqa: PLC0415
 
         wire: list = []
+
+        def prepare() -> None:
+            wire[:] = tensors_to_wire(staged() if callable(staged) else staged)
+
         with self._weights_lock:
-            def attempt() -> list:
-                wire[:] = wire or tensors_to_wire(staged)
-                return self._call("try_swap_weights", wire, weight_version)
-            counts = self._when_idle(attempt, abort_all_requests=abort_all_requests, poll_s=poll_s)
+            counts = self._when_idle(lambda: self._call("try_swap_weights", wire, weight_version),
+                                     abort_all_requests=abort_all_requests, poll_s=poll_s, prepare=prepare)
             self._refresh_consistency()
         if weight_version is not None:
             self.weight_version = weight_version

@@ -16,7 +16,7 @@ import logging
 import math
 import os
 import threading
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -86,8 +86,8 @@ class WeightUpdater:
             raise WeightUpdateError(f"{source} holds no tensor for this model (only ignored names)")
         return staged
 
-    def _swap(self, staged: dict[str, torch.Tensor], weight_version: Any, abort_all_requests: Any,
-              source: str) -> dict:
+    def _swap(self, staged: dict[str, torch.Tensor] | Callable[[], dict[str, torch.Tensor]], weight_version: Any,
+              abort_all_requests: Any, source: str) -> dict:
         with self._swap_lock:
             count = self.engine.swap_weights(staged, weight_version=weight_version,
                                              abort_all_requests=abort_all_requests)
@@ -118,22 +118,28 @@ class WeightUpdater:
             raise WeightUpdateError(f"model_path {model_path!r} is not a directory")
         return real
 
-    def read_checkpoint(self, model_path: Any) -> dict[str, torch.Tensor]:
-        from safetensors import safe_open
-
+    def checkpoint_files(self, model_path: Any) -> list:
+        """The checkpoint's files, each checked to resolve inside the allowed directories (cheap:
+        reads at most its index.json)."""
         real = self._resolve_dir(model_path)
         try:
             files = _checkpoint_files(real)
         except (ValueError, OSError, KeyError, TypeError) as exc:
             raise WeightUpdateError(f"cannot read checkpoint in {model_path!r}: {exc}") from None
-        named: dict[str, torch.Tensor] = {}
         for f in files:
-            file_real = os.path.realpath(f)
-            if not any(_is_under(file_real, d) for d in self.allowed_dirs):
+            if not any(_is_under(os.path.realpath(f), d) for d in self.allowed_dirs):
                 raise WeightUpdateError(f"checkpoint file {f.name!r} resolves outside the allowed weight "
                                         f"directories", status=403)
+        return files
+
+    @staticmethod
+    def read_files(files: list) -> dict[str, torch.Tensor]:
+        from safetensors import safe_open
+
+        named: dict[str, torch.Tensor] = {}
+        for f in files:
             try:
-                with safe_open(file_real, framework="pt") as st:
+                with safe_open(os.path.realpath(f), framework="pt") as st:
                     for key in st.keys():
                         if key in named:
                             raise WeightUpdateError(f"tensor {key!r} appears in two checkpoint files")
@@ -145,11 +151,14 @@ class WeightUpdater:
         return named
 
     def update_from_disk(self, model_path: Any, weight_version: Any = None, abort_all_requests: Any = False) -> dict:
+        """The path and file list are checked first (a refusal aborts nothing); then, as SGLang does,
+        the requests are aborted (when asked) and admission held before the checkpoint is read, so
+        a slow read cannot let queued requests start on the old weights meanwhile."""
         self.check_common(weight_version, abort_all_requests)
-        named = self.read_checkpoint(model_path)
-        staged = self.stage(named, require_all=True, source=f"checkpoint {os.path.basename(str(model_path))!r}")
-        del named
-        return self._swap(staged, weight_version, abort_all_requests, "disk")
+        files = self.checkpoint_files(model_path)
+        source = f"checkpoint {os.path.basename(str(model_path))!r}"
+        return self._swap(lambda: self.stage(self.read_files(files), require_all=True, source=source),
+                          weight_version, abort_all_requests, "disk")
 
     # ---- from tensor bytes -----------------------------------------------------------------------
     def update_from_safetensors(self, data: bytes, weight_version: Any = None,
