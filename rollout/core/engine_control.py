@@ -11,7 +11,7 @@ from typing import Any, Optional
 
 import torch
 
-PAUSE_MODES = ("abort", "retract", "in_place")
+from rollout.ipc.control_values import PAUSE_MODES
 
 
 class EngineControl:

@@ -31,7 +31,8 @@ from rollout.models.registry import load_model
 from rollout.core.radix_cache import RadixCache
 from rollout.exec.runners.capture_profiler import GraphCaptureProfiler
 from rollout.exec.runners.runner_plan import RunnerPlan
-from rollout.core.request import FinishReason, Req, ReqState
+from rollout.core.request import Req, ReqState
+from rollout.finish_reason import FinishReason
 from rollout.exec.sampler import sample
 from rollout.core.scheduler import Scheduler
 from rollout.tokenizer import Tokenizer

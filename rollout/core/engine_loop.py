@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from rollout.core.engine_core import EngineCore
+from rollout.ipc.tensor_wire import tensors_from_wire
 from rollout.ipc.messages import AbortReqs, AddReqs, Call, FromEngine, Reply, ReqSpec, Shutdown, StepOut, ToEngine
 from rollout.core.request import Req, cache_namespace
 from rollout.sampling_params import SamplingParams
@@ -37,23 +38,6 @@ def req_from_spec(spec: ReqSpec) -> Req:
                routed_experts_start_len=spec.routed_experts_start_len, emit_interval=spec.emit_interval,
                max_total_len=spec.max_total_len, routed_dp_rank=spec.routed_dp_rank, cache_ns=cache_namespace(spec.cache_salt),
                prompt_logprob_start=spec.prompt_logprob_start)
-
-
-def tensors_to_wire(staged: dict[str, torch.Tensor]) -> list[list[Any]]:
-    """HF-named tensors as [name, dtype, shape, raw bytes] (no pickles on the wire)."""
-    out = []
-    for name, t in staged.items():
-        t = t.detach().to("cpu").contiguous()
-        out.append([name, str(t.dtype).removeprefix("torch."), list(t.shape), t.view(torch.uint8).numpy().tobytes()])
-    return out
-
-
-def tensors_from_wire(items: list[list[Any]]) -> dict[str, torch.Tensor]:
-    out = {}
-    for name, dtype, shape, data in items:
-        raw = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        out[name] = raw.view(getattr(torch, dtype)).reshape(shape)
-    return out
 
 
 class EngineCommands:

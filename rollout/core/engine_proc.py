@@ -29,7 +29,7 @@ from rollout.ipc.transport import EngineSockets
 
 COLLECTIVE_TIMEOUT = timedelta(seconds=600)
 # NOTE: the front end replaces this abort message with the dead rank's name and exit code
-PEER_FAILED = "a DP peer rank failed"
+from rollout.ipc.control_values import PEER_FAILED
 logger = logging.getLogger(__name__)
 
 

@@ -16,19 +16,7 @@ from typing import Any, Iterable, Optional
 
 import torch
 
-TAGS = ("weights", "kv_cache")
-
-
-def parse_tags(tags: Any) -> tuple[str, ...]:
-    """SGLang's `tags`: None (all) or a list of "weights" / "kv_cache" (also "cuda_graph": nothing here)."""
-    if tags is None:
-        return TAGS
-    if not isinstance(tags, list) or not all(isinstance(t, str) for t in tags):
-        raise ValueError(f"tags must be null or a list of {list(TAGS)}, got {tags!r}"[:300])
-    bad = [t for t in tags if t not in TAGS + ("cuda_graph",)]
-    if bad:
-        raise ValueError(f"tags must be among {list(TAGS)}, got {bad}"[:300])
-    return tuple(t for t in TAGS if t in tags)
+from rollout.ipc.control_values import MEMORY_TAGS as TAGS
 
 
 def _unique_storages(tensors: Iterable[torch.Tensor]) -> list[torch.Tensor]:

@@ -7,6 +7,7 @@ from typing import Any, Optional
 
 import torch
 
+from rollout.finish_reason import FinishReason
 from rollout.sampling_params import SamplingParams
 
 
@@ -25,29 +26,6 @@ def cache_namespace(salt: Optional[str]) -> int:
 
     digest = hashlib.blake2b(salt.encode("utf-8", "surrogatepass"), digest_size=8).digest()
     return (int.from_bytes(digest, "little") | 1) << 32
-
-
-
-@dataclass(frozen=True)
-class FinishReason:
-    type: str                       # "stop" | "length" | "abort"
-    matched: Any = None             # the token id or stop string that matched
-    message: Optional[str] = None
-    err_type: Optional[str] = None      # abort by a server-side failure (SGLang's FINISH_ABORT fields)
-    status_code: Optional[int] = None
-
-    def to_dict(self, completion_tokens: int) -> dict:
-        out: dict = {"type": self.type}
-        if self.type == "stop":
-            out["matched"] = self.matched
-        elif self.type == "length":
-            out["length"] = completion_tokens
-        if self.message:
-            out["message"] = self.message
-        if self.err_type:
-            out["err_type"] = self.err_type
-            out["status_code"] = self.status_code
-        return out
 
 
 @dataclass(eq=False)

@@ -30,14 +30,11 @@ from typing import Any, Iterator, Optional
 
 import torch
 
+from rollout.ipc.control_values import LOAD_FORMATS, WEIGHT_DTYPES as DTYPES
 from rollout.models.loader import _experts_of, _pieces, copy_into, plan, resolve, source_view
 from rollout.weight_group import init_custom_process_group
 
 logger = logging.getLogger(__name__)
-DTYPES = {"float32": torch.float32, "float": torch.float32, "float16": torch.float16, "half": torch.float16,
-          "bfloat16": torch.bfloat16, "float64": torch.float64, "double": torch.float64}
-LOAD_FORMATS = (None, "flattened_bucket")
-BACKENDS = ("gloo", "nccl")
 
 
 def buckets(nbytes: list[int], bucket_bytes: int) -> Iterator[range]:

@@ -344,7 +344,7 @@ class Rollout(WeightControl):
 
     def _memory_call(self, command: str, tags: Any) -> list[str]:
         """release_memory / resume_memory on the (one) rank; the tags it acted on."""
-        from rollout.core.memory_saver import parse_tags  # noqa: PLC0415
+        from rollout.ipc.control_values import parse_tags  # noqa: PLC0415
 
         done = self._call(command, list(parse_tags(tags)))[0]
         self._builder.released_memory = tuple(self._call("released_memory")[0])

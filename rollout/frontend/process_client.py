@@ -27,7 +27,7 @@ from rollout.frontend.engine_client import DeadCallback, EngineDeadError, Update
 from rollout.ipc.messages import AbortReqs, AddReqs, Call, Fatal, Ready, ReqSpec, Shutdown, StepOut
 from rollout.ipc.temp_dirs import remove_dirs_of, remove_stale_dirs
 from rollout.ipc.transport import FrontSockets, IpcDirectory
-from rollout.core.engine_proc import PEER_FAILED
+from rollout.ipc.control_values import PEER_FAILED
 
 logger = logging.getLogger(__name__)
 

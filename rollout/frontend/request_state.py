@@ -16,7 +16,7 @@ import torch
 from rollout.frontend.detokenizer import IncrementalDetokenizer
 from rollout.ipc.messages import ReqUpdate, float_list, int_list
 from rollout.output import RolloutOutput
-from rollout.core.request import FinishReason
+from rollout.finish_reason import FinishReason
 from rollout.sampling_params import SamplingParams
 from rollout.stream_chunk import StreamChunk
 

@@ -64,7 +64,7 @@ class WeightControl:
         copied. staged may be a function that makes them (reads a checkpoint): it runs after the
         abort, with admission held, as SGLang reads a checkpoint under its update lock.
         """
-        from rollout.core.engine_loop import tensors_to_wire  # noqa: PLC0415
+        from rollout.ipc.tensor_wire import tensors_to_wire  # noqa: PLC0415
 
         wire: list = []
 

@@ -11,7 +11,7 @@ from fastapi import FastAPI
 from starlette.requests import Request
 from starlette.responses import Response
 
-from rollout.core.engine_control import PAUSE_MODES
+from rollout.ipc.control_values import PAUSE_MODES
 from rollout.server.generate_request import typed
 from rollout.server.ignored_fields import FieldPolicy, IgnoredFields
 from rollout.server.request_body import read_json

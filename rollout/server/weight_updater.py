@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 import torch
 
-from rollout.core.weight_receiver import BACKENDS, DTYPES, LOAD_FORMATS
+from rollout.ipc.control_values import GROUP_BACKENDS as BACKENDS, LOAD_FORMATS, WEIGHT_DTYPES as DTYPES
 from rollout.models.loader import _checkpoint_files, plan
 
 logger = logging.getLogger(__name__)
