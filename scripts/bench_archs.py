@@ -89,7 +89,7 @@ def main(argv=None) -> None:
     if min(args.repeats, args.prompts, args.n, args.threads) < 1:
         ap.error("--repeats, --prompts, --n and --threads must be >= 1")
     from rollout.models import model_info
-    from rollout.core.kv_pool import KVPool
+    from rollout.batch.kv_pool import KVPool
 
     tmp = tempfile.mkdtemp(prefix="bench_archs_")
     try:

@@ -34,7 +34,7 @@ from rollout import Rollout  # noqa: E402
 from rollout.config import DEFAULT_MODEL_PATH, EngineConfig  # noqa: E402
 from rollout.cpu_affinity import pin_process  # noqa: E402
 from rollout.core.engine_core import EngineCore  # noqa: E402
-from rollout.exec.forward_batch import ForwardBatch  # noqa: E402
+from rollout.batch.forward_batch import ForwardBatch  # noqa: E402
 from rollout.core.request import Req  # noqa: E402
 from rollout.sampling_params import SamplingParams  # noqa: E402
 

@@ -5,8 +5,8 @@ from typing import Optional, Sequence
 
 import torch
 
-from rollout.exec.forward_batch import ForwardBatch
-from rollout.core.kv_pool import KVPool
+from rollout.batch.forward_batch import ForwardBatch
+from rollout.batch.kv_pool import KVPool
 from rollout.models.attention import PagedAttention
 
 

@@ -24,10 +24,10 @@ SHAPES = [(4, 2, 32), (32, 4, 128)]                        # (heads, kv heads, h
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("heads,kv_heads,dim", SHAPES)
 def test_triton_kernels_compiled_match_torch(dtype, heads, kv_heads, dim):
-    from rollout.exec.cascade_attention_kernel import cascade_decode_attention
+    from rollout.models.cascade_attention_kernel import cascade_decode_attention
     from rollout.models.decode_attention_kernel import decode_attention
     from rollout.models.extend_attention_kernel import extend_attention
-    from rollout.exec.paged_kv_metadata import paged_kv_metadata
+    from rollout.batch.paged_kv_metadata import paged_kv_metadata
 
     kw = dict(heads=heads, kv_heads=kv_heads, dim=dim, dtype=dtype, device="cuda")
     layer, q, fb, _ = attention_case([0, 1, 63, 700, 5], [1] * 5, seed=1, **kw)

@@ -9,11 +9,11 @@ import torch
 pytest.importorskip("triton")
 
 from attention_cases import attention_case, reference  # noqa: E402
-from rollout.exec.cascade_attention_kernel import cascade_decode_attention  # noqa: E402
+from rollout.models.cascade_attention_kernel import cascade_decode_attention  # noqa: E402
 from rollout.models.decode_attention_kernel import decode_attention  # noqa: E402
 from rollout.models.extend_attention_kernel import extend_attention  # noqa: E402
 from rollout.models.merge_attention_kernel import merge_attention_states, merge_attention_states_torch  # noqa: E402
-from rollout.exec.paged_kv_metadata import paged_kv_metadata  # noqa: E402
+from rollout.batch.paged_kv_metadata import paged_kv_metadata  # noqa: E402
 
 ATOL = 2e-5
 HEADS = [(4, 4), (4, 2), (6, 2), (8, 1)]          # (query heads, kv heads): MHA, GQA 2, 3 (not a power of 2), 8

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rollout.core.kv_pool import KVPool
+from rollout.batch.kv_pool import KVPool
 from rollout.models import load_model
 
 

@@ -11,8 +11,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from oracle import hf_greedy, hf_model
-from rollout.exec.forward_batch import ForwardBatch
-from rollout.core.kv_pool import KVPool
+from rollout.batch.forward_batch import ForwardBatch
+from rollout.batch.kv_pool import KVPool
 from rollout.models import load_model
 from rollout.models.topk import grouped_sigmoid_topk
 from rollout.exec.runners.piecewise_backend import PiecewiseBackend

@@ -40,7 +40,7 @@ def test_grpo_group_decode_matches_transformers(tiny_checkpoint, arch, monkeypat
     """n samples of long prompts decode through the shared-prefix cascade (the prompts' KV read
     once per group) and a request in no group next to them: greedy ids and logprobs are still
     transformers'."""
-    from rollout.exec.decode_cascade import DecodeCascade
+    from rollout.batch.decode_cascade import DecodeCascade
 
     calls = []
     attend = DecodeCascade.attend

@@ -10,8 +10,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from rollout.exec.forward_batch import ForwardBatch
-from rollout.core.kv_pool import KVPool
+from rollout.batch.forward_batch import ForwardBatch
+from rollout.batch.kv_pool import KVPool
 from rollout.models import (load_model, load_state_dict_from_tensors, model_class, model_info,
                             softmax_topk, supported_architectures)
 

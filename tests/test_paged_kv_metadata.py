@@ -5,7 +5,7 @@ import torch
 
 from attention_cases import attention_case, reference
 from rollout.models.paged_reference_attention import paged_reference_attention
-from rollout.exec.paged_kv_metadata import paged_kv_metadata
+from rollout.batch.paged_kv_metadata import paged_kv_metadata
 
 ATOL = 2e-5
 

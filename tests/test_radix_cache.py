@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from rollout.core.kv_pool import KVPool
+from rollout.batch.kv_pool import KVPool
 from rollout.core.radix_cache import RadixCache
 
 
@@ -416,7 +416,7 @@ TestRadixCacheMachine.settings = settings(
 def test_cpu_kv_pool_asks_for_huge_pages():
     """The pool's buffers are zero and, on a Linux kernel with transparent huge pages, advised
     to use them (attention gathers rows from all over the pool)."""
-    from rollout.core.host_malloc import HUGE_PAGE_BYTES, advise_huge_pages
+    from rollout.host_malloc import HUGE_PAGE_BYTES, advise_huge_pages
 
     pool = KVPool(num_slots=4096, num_layers=2, num_kv_heads=2, head_dim=64, dtype=torch.float32)
     assert all(bool((b == 0).all()) for b in pool.kv_buffers)

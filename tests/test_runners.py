@@ -16,10 +16,10 @@ from capture.gather_layout import GatherLayout
 from oracle import hf_router_topk, same_sets
 from rollout.config import DEFAULT_MODEL_PATH, EngineConfig
 from rollout.core.engine_core import EngineCore
-from rollout.core.kv_pool import SINK_SLOT, KVPool
+from rollout.batch.kv_pool import SINK_SLOT, KVPool
 from rollout.exec.model_runner import ModelRunner
 from capture.device_buffer import RoutedExpertsBuffer
-from rollout.exec.forward_batch import ForwardBatch
+from rollout.batch.forward_batch import ForwardBatch
 from rollout.models import load_model
 from rollout.models.moe import FusedExperts
 from rollout.exec.runners.piecewise_backend import PiecewiseBackend

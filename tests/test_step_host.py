@@ -12,10 +12,10 @@ from torch.overrides import TorchFunctionMode
 from rollout import Rollout
 from rollout.config import DEFAULT_MODEL_PATH, EngineConfig
 from rollout.core.engine_core import EngineCore
-from rollout.core.kv_pool import SINK_SLOT, KVPool
+from rollout.batch.kv_pool import SINK_SLOT, KVPool
 from rollout.core.req_to_token import ReqToTokenPool
 from rollout.core.request import Req
-from rollout.exec.forward_batch import ForwardBatch
+from rollout.batch.forward_batch import ForwardBatch
 from rollout.sampling_params import SamplingParams
 from tiny_models import random_prompts as prompts
 
@@ -276,7 +276,7 @@ def test_a_graphed_decode_step_syncs_only_for_its_one_read():
 
 
 def test_staging_packs_host_vectors_into_one_buffer():
-    from rollout.core.host_staging import stage
+    from rollout.batch.host_staging import stage
 
     parts = [torch.arange(5), torch.tensor([7, 8]), torch.zeros(0, dtype=torch.int64), torch.tensor([9])]
     out = stage(parts, torch.device("cpu"), pack=True)

@@ -18,10 +18,10 @@ from capture.capturer import RoutedExpertsCapturer
 from rollout.config import EngineConfig
 from rollout.core.cpu_threads import CpuThreads
 from rollout.core.engine_control import EngineControl
-from rollout.core.host_malloc import tune_glibc_malloc
+from rollout.host_malloc import tune_glibc_malloc
 from rollout.core.host_reads import HostReads
-from rollout.core.host_staging import to_device
-from rollout.core.kv_pool import KVPool
+from rollout.batch.host_staging import to_device
+from rollout.batch.kv_pool import KVPool
 from rollout.ipc.messages import ReqUpdate, floats, ints
 from rollout.exec.model_runner import ModelRunner
 from rollout.models.attention_backend import make_attention_backend

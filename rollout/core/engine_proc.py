@@ -23,13 +23,12 @@ from rollout.core.cpu_threads import CpuThreads
 from rollout.core.engine_loop import EngineLoop, StepSync
 from rollout.core.engine_core import EngineCore
 from rollout.cpu_affinity import pin_process
+from rollout.ipc.control_values import PEER_FAILED   # NOTE: the front end replaces it with the dead rank's name and exit code
 from rollout.ipc.messages import Fatal, Ready, StepOut
 from rollout.ipc.temp_dirs import pid_alive
 from rollout.ipc.transport import EngineSockets
 
 COLLECTIVE_TIMEOUT = timedelta(seconds=600)
-# NOTE: the front end replaces this abort message with the dead rank's name and exit code
-from rollout.ipc.control_values import PEER_FAILED
 logger = logging.getLogger(__name__)
 
 

@@ -22,7 +22,7 @@ from typing import Sequence
 
 import torch
 
-from rollout.core.kv_pool import SINK_SLOT, KVPool
+from rollout.batch.kv_pool import SINK_SLOT, KVPool
 
 
 class _Node:

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import torch
 
-from rollout.core.host_staging import to_device
-from rollout.core.kv_pool import SINK_SLOT
+from rollout.batch.host_staging import to_device
+from rollout.batch.kv_pool import SINK_SLOT
 
 SINK_ROW = 0
 

@@ -11,40 +11,19 @@ import os
 from collections import Counter
 from itertools import chain
 from operator import attrgetter
-from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import torch
 
-from rollout.core.kv_pool import KVPool
+from rollout.batch.kv_pool import KVPool
 from rollout.core.radix_cache import RadixCache
 from rollout.core.req_to_token import ReqToTokenPool
 from rollout.core.request import Req, ReqState
 from rollout.core.wait_queue import WaitQueue
+from rollout.exec.scheduled_batch import ScheduledBatch
 
 
 MIN_SHARED_PREFIX = 8  # uncached tokens two new requests must share before one waits for the other
-
-
-@dataclass(frozen=True)
-class ScheduledBatch:
-    reqs: list[Req]
-    extend_lens: list[int]
-    prefix_lens: list[int]
-    out_cache_loc: torch.Tensor      # [sum(extend_lens)] new slots, request-major
-    is_prefill: bool
-    kv_indices: torch.Tensor         # [B, max(prefix+extend)] int64 KV slots by position (stale past each length), on the device
-    # decode: (P, batch rows) of requests whose slots for positions 0 .. P-1 are the same (DecodeCascade)
-    prefix_groups: tuple = ()
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(self.extend_lens)
-
-    def completes(self, i: int) -> bool:
-        """Whether request i's forward reaches its last token (its logits pick the next token)."""
-        req = self.reqs[i]
-        return self.prefix_lens[i] + self.extend_lens[i] == req.seq_len
 
 
 class Scheduler:

@@ -14,7 +14,7 @@ import torch
 from capture.buffer_sizing import ForwardShapeLimits
 from capture.gather_layout import GatherLayout
 from rollout.exec.forward_output import ForwardOutput
-from rollout.core.kv_pool import KVPool
+from rollout.batch.kv_pool import KVPool
 from rollout.exec.runners.capture_profiler import GraphCaptureProfiler, Variant, variant_product
 from rollout.exec.runners.decode_graph_runner import DecodeGraphRunner
 from rollout.exec.runners.eager_runner import EagerRunner
@@ -22,7 +22,7 @@ from rollout.exec.runners.graph_backend import CudaGraphBackend, GraphBackend, G
 from rollout.exec.runners.piecewise_backend import PiecewiseBackend
 from rollout.exec.runners.prefill_graph_runner import PrefillGraphRunner
 from rollout.exec.runners.runner_plan import DECODE, EAGER, PREFILL, RankShape, RunnerChoice, RunnerPlan
-from rollout.core.scheduler import ScheduledBatch
+from rollout.exec.scheduled_batch import ScheduledBatch
 
 
 class ModelRunner:

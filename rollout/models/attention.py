@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rollout import exact as exact_ops
-from rollout.exec.forward_batch import ForwardBatch
+from rollout.batch.forward_batch import ForwardBatch
 
 
 MASK_BLOCK_CELLS = 1 << 24   # query x key cells of one mask block (16 MiB of bool)

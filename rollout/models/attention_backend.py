@@ -18,8 +18,8 @@ from typing import Any, Optional
 import torch
 
 from rollout.config import ATTENTION_BACKENDS
-from rollout.exec.forward_batch import ForwardBatch
-from rollout.exec.paged_kv_metadata import paged_kv_metadata
+from rollout.batch.forward_batch import ForwardBatch
+from rollout.batch.paged_kv_metadata import paged_kv_metadata
 
 
 def flashinfer_importable() -> bool:
@@ -81,7 +81,7 @@ class TritonAttentionBackend:
     def attend(self, attn: Any, q: torch.Tensor, fb: ForwardBatch, attn_mask: Optional[torch.Tensor]) -> torch.Tensor:
         """attn: the layer's PagedAttention (its sliding_window is the kernels' window); attn_mask is
         None (attention_masks makes none for a backend that reads none)."""
-        from rollout.exec.cascade_attention_kernel import cascade_decode_attention  # noqa: PLC0415
+        from rollout.models.cascade_attention_kernel import cascade_decode_attention  # noqa: PLC0415
         from rollout.models.decode_attention_kernel import decode_attention  # noqa: PLC0415
         from rollout.models.extend_attention_kernel import extend_attention  # noqa: PLC0415
 

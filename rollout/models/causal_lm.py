@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rollout import exact as exact_ops
-from rollout.exec.forward_batch import ForwardBatch
+from rollout.batch.forward_batch import ForwardBatch
 from rollout.models.attention import PagedAttention
 from rollout.models.decoder import DecoderLayer
 from rollout.models.layers import RMSNorm, RotaryEmbedding

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from rollout.exec.forward_batch import ForwardBatch
+from rollout.batch.forward_batch import ForwardBatch
 from rollout.models.attention import PagedAttention
 from rollout.models.layers import GatedMLP, RMSNorm, RotaryEmbedding
 from rollout.models.mla_attention import MLASelfAttention

@@ -3,7 +3,7 @@
 Imported only when attention_backend='flashinfer' is chosen (flashinfer is imported here, in the
 constructor). Each KV slot is one page: the pool's per-layer [slots, 2, kvH, D] tensor is
 FlashInfer's NHD paged cache [pages, 2, page_size=1, kvH, D] as a view. Every forward's index
-arrays come from paged_kv_metadata (rollout/exec/paged_kv_metadata.py), the function the CPU
+arrays come from paged_kv_metadata (rollout/batch/paged_kv_metadata.py), the function the CPU
 reference (models/paged_reference_attention.py) is tested with. Per forward:
 - decode: BatchDecodeWithPagedKVCacheWrapper; in a decode bucket (CUDA graph) one wrapper per
   (bucket, window) with use_cuda_graph and fixed index buffers, planned before each replay;
@@ -22,8 +22,8 @@ from typing import Any, Optional
 
 import torch
 
-from rollout.exec.forward_batch import ForwardBatch
-from rollout.exec.paged_kv_metadata import PagedKVMetadata, paged_kv_metadata
+from rollout.batch.forward_batch import ForwardBatch
+from rollout.batch.paged_kv_metadata import PagedKVMetadata, paged_kv_metadata
 
 WORKSPACE_BYTES = 256 * 2**20
 

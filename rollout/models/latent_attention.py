@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rollout import exact as exact_ops
-from rollout.exec.forward_batch import ForwardBatch
+from rollout.batch.forward_batch import ForwardBatch
 from rollout.models.attention import pad_keys_to_tiles
 
 

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from rollout import exact as exact_ops
-from rollout.exec.forward_batch import ForwardBatch
+from rollout.batch.forward_batch import ForwardBatch
 from rollout.models.latent_attention import LatentAttention
 from rollout.models.layers import RMSNorm, RotaryEmbedding
 from rollout.models.spec import ModelSpec

@@ -7,7 +7,7 @@ from torch import nn
 
 from rollout import exact as exact_ops
 from rollout.config import MOE_BACKENDS
-from rollout.exec.forward_batch import ForwardBatch
+from rollout.batch.forward_batch import ForwardBatch
 from rollout.models.layers import GatedMLP
 from rollout.models.topk import softmax_topk
 

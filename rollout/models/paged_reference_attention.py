@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from rollout.exec.paged_kv_metadata import PagedKVLevel, PagedKVMetadata
+from rollout.batch.paged_kv_metadata import PagedKVLevel, PagedKVMetadata
 
 
 def level_attention(q: torch.Tensor, kv_buffer: torch.Tensor, level: PagedKVLevel, *, scale: float,

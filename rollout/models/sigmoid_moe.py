@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rollout import exact as exact_ops
-from rollout.exec.forward_batch import ForwardBatch
+from rollout.batch.forward_batch import ForwardBatch
 from rollout.models.layers import GatedMLP
 from rollout.models.moe import SparseMoE
 from rollout.models.spec import ModelSpec

@@ -8,7 +8,7 @@ import torch
 
 from capture.gather_layout import GatherLayout
 from rollout.exec.forward_output import ForwardOutput
-from rollout.core.kv_pool import KVPool
+from rollout.batch.kv_pool import KVPool
 from rollout.exec.runners.padded_batch import padded_forward_batch
 from rollout.exec.runners.runner_plan import EAGER, RunnerChoice
 

@@ -11,7 +11,7 @@ from typing import Any, Hashable
 import torch
 from torch.profiler import record_function
 
-from rollout.exec.forward_batch import ForwardBatch
+from rollout.batch.forward_batch import ForwardBatch
 
 
 def variant_label(variant: tuple[tuple[str, str], ...]) -> str:

@@ -11,8 +11,8 @@ from typing import Any, Optional
 
 import torch
 
-from rollout.exec.forward_batch import ForwardBatch
-from rollout.core.kv_pool import SINK_SLOT, KVPool
+from rollout.batch.forward_batch import ForwardBatch
+from rollout.batch.kv_pool import SINK_SLOT, KVPool
 
 
 def padded_forward_batch(batch: Optional[Any], *, kv_pool: KVPool, device: torch.device,

@@ -25,7 +25,7 @@ from typing import Callable, Hashable, Optional
 import torch
 from torch.profiler import record_function
 
-from rollout.exec.forward_batch import ForwardBatch
+from rollout.batch.forward_batch import ForwardBatch
 from rollout.exec.runners.graph_backend import GraphMemoryPool, variant_label
 
 

@@ -12,8 +12,8 @@ from typing import Optional
 
 import torch
 
-from rollout.exec.forward_batch import ForwardBatch
-from rollout.core.kv_pool import SINK_SLOT
+from rollout.batch.forward_batch import ForwardBatch
+from rollout.batch.kv_pool import SINK_SLOT
 
 
 class StaticInputs:

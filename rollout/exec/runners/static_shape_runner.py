@@ -15,9 +15,9 @@ from typing import Any, Optional
 import torch
 
 from capture.gather_layout import GatherLayout
-from rollout.exec.forward_batch import ForwardBatch
+from rollout.batch.forward_batch import ForwardBatch
 from rollout.exec.forward_output import ForwardOutput
-from rollout.core.kv_pool import KVPool
+from rollout.batch.kv_pool import KVPool
 from rollout.exec.runners.capture_profiler import CaptureTag, GraphCaptureProfiler, Variant
 from rollout.exec.runners.graph_backend import GraphBackend
 from rollout.exec.runners.padded_batch import padded_forward_batch

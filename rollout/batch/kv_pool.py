@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from rollout.core.host_malloc import advise_huge_pages
+from rollout.host_malloc import advise_huge_pages
 
 SINK_SLOT = 0  # NOTE: slot 0 is never allocated; padding tokens write their KV there.
 

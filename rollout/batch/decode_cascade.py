@@ -20,7 +20,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from rollout.exec.attention_segment import AttentionSegment
+from rollout.batch.attention_segment import AttentionSegment
 
 
 def _flash_for_cpu():

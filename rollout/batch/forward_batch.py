@@ -7,10 +7,10 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from rollout.exec.attention_segment import AttentionSegment
-from rollout.exec.decode_cascade import DecodeCascade
-from rollout.core.host_staging import stage, to_device
-from rollout.core.kv_pool import SINK_SLOT, KVPool
+from rollout.batch.attention_segment import AttentionSegment
+from rollout.batch.decode_cascade import DecodeCascade
+from rollout.batch.host_staging import stage, to_device
+from rollout.batch.kv_pool import SINK_SLOT, KVPool
 
 
 @dataclass(frozen=True, kw_only=True)

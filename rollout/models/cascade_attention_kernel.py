@@ -1,7 +1,7 @@
 """Triton GRPO cascade decode attention: a group's shared prefix read once for all its members.
 
-Replaces DecodeCascade.attend (rollout/exec/decode_cascade.py, the torch reference) on the Triton
-backend, over the two levels of PagedKVMetadata (rollout/exec/paged_kv_metadata.py). Level 0: program
+Replaces DecodeCascade.attend (rollout/batch/decode_cascade.py, the torch reference) on the Triton
+backend, over the two levels of PagedKVMetadata (rollout/batch/paged_kv_metadata.py). Level 0: program
 (group, kv head, block of rows) takes every member's query heads of that kv head as rows and
 attends them over the group's prefix keys, so each prefix key is read once per group instead of
 once per sample; it leaves each member's partial output and log-sum-exp in the last part. Level 1:
@@ -17,7 +17,7 @@ import triton.language as tl
 from rollout.models.attention_block import attend_block, finish_rows
 from rollout.models.decode_attention_kernel import decode_partials, default_num_splits
 from rollout.models.merge_attention_kernel import merge_attention_states
-from rollout.exec.paged_kv_metadata import PagedKVMetadata
+from rollout.batch.paged_kv_metadata import PagedKVMetadata
 
 
 @triton.jit

@@ -8,7 +8,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from rollout.core.host_staging import to_device
+from rollout.batch.host_staging import to_device
 
 
 @dataclass(frozen=True)
