@@ -1,14 +1,23 @@
-"""Rollout.generate throughput of this checkout against another commit, side by side.
+"""This checkout against another commit, side by side: throughput, server throughput, or outputs.
 
 "No lower than before" cannot be read off tables measured on other days: these shared machines
 have phases several times slower than others. This script checks the other commit out into a
-temporary git worktree and alternates fresh-process runs of bench_throughput's workload (capture
-off, the default engine settings) from the two trees, so that both see the same background load;
-it prints the medians and the per-repeat ratios, and --json writes them.
+temporary git worktree and alternates fresh-process runs from the two trees, so that both see the
+same background load; it prints the medians and the per-repeat ratios, and --json writes them.
 
-The other commit's scripts/bench_throughput.py must have `worker(kind, model_path, prompts, n)`
-(every commit since b42a3ff). Example:
+- `--bench throughput` (default): bench_throughput's workload through Rollout.generate (capture
+  off, the default engine settings). The other commit's scripts/bench_throughput.py must have
+  `worker(kind, model_path, prompts, n)` (every commit since b42a3ff).
+- `--bench server`: bench_server's GRPO batch (24 prompts x 8 samples, logprobs and routing on,
+  one concurrent non-streaming /generate per sample, as slime sends it) against a fresh
+  rollout-serve of each tree; this checkout's load generator for both.
+- `--outputs`: no timing. scripts/seeded_outputs.py (this checkout's) runs with each tree's code
+  and checkpoint and the two sets of tokens, logprobs (as exact floats) and routing rows (hashed)
+  must be identical; exits 1 and prints the first differences otherwise.
+
   .venv/bin/python scripts/bench_against.py --commit 35146c0 --repeats 6
+  .venv/bin/python scripts/bench_against.py --commit 35146c0 --bench server --repeats 4
+  .venv/bin/python scripts/bench_against.py --commit 35146c0 --outputs
 """
 from __future__ import annotations
 
@@ -32,10 +41,70 @@ def run_tree(tree: str, kind: str, prompts: int, n: int) -> float:
     return tokens / dt
 
 
+def run_server_tree(tree: str, seed: int) -> float:
+    """Output tok/s of bench_server's GRPO batch against a fresh rollout-serve of `tree`."""
+    import asyncio  # noqa: PLC0415
+    from pathlib import Path  # noqa: PLC0415
+
+    from bench_server import HttpClient, Server, grpo_batch, grpo_server  # noqa: PLC0415
+
+    server = Server(["--enable-return-routed-experts", "--model-path", os.path.join(tree, "configs", "tiny-moe")],
+                    tree=Path(tree))
+    try:
+        async def run() -> tuple[float, int]:
+            async with HttpClient("aiohttp", server.url, 24 * 8) as http:
+                await http.warm()
+                await grpo_server(http, grpo_batch(seed + 99, prompts=2, samples=2), 2)
+                return await grpo_server(http, grpo_batch(seed), 8)
+
+        wall, tokens = asyncio.run(run())
+    finally:
+        server.stop()
+    return tokens / wall
+
+
+def seeded_outputs(tree: str, out: str) -> dict:
+    env = dict(os.environ, PYTHONPATH=tree, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="2")
+    subprocess.run([sys.executable, os.path.join(HERE, "scripts", "seeded_outputs.py"), "--out", out], cwd=tree,
+                   env=env, check=True)
+    with open(out) as f:
+        return json.load(f)["outputs"]
+
+
+def differences(a, b, path: str = "") -> list[str]:
+    if type(a) is not type(b):
+        return [f"{path}: {a!r:.80} vs {b!r:.80}"]
+    if isinstance(a, dict):
+        keys = sorted(set(a) | set(b))
+        return [d for k in keys for d in (differences(a.get(k), b.get(k), f"{path}.{k}") if k in a and k in b
+                                          else [f"{path}.{k}: only in {'this checkout' if k in a else 'the other'}"])]
+    if isinstance(a, list):
+        if len(a) != len(b):
+            return [f"{path}: {len(a)} items vs {len(b)}"]
+        return [d for i, (x, y) in enumerate(zip(a, b)) for d in differences(x, y, f"{path}[{i}]")]
+    return [] if a == b else [f"{path}: {a!r:.80} vs {b!r:.80}"]
+
+
+def compare_outputs(head: str, sha: str, other: str) -> int:
+    with tempfile.TemporaryDirectory(prefix="bench_against_outputs_") as tmp:
+        mine = seeded_outputs(HERE, os.path.join(tmp, "head.json"))
+        theirs = seeded_outputs(other, os.path.join(tmp, "other.json"))
+    diffs = differences(mine, theirs)
+    counts = {name: len(outs) for name, outs in mine.items()}
+    if diffs:
+        print(f"{head} vs {sha}: {len(diffs)} differences in {counts} outputs; the first:")
+        print("\n".join(diffs[:20]))
+        return 1
+    print(f"{head} vs {sha}: identical ({counts} outputs: tokens, text, exact logprobs, routing rows)")
+    return 0
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--commit", required=True, help="the commit to compare against (any git revision)")
     ap.add_argument("--repeats", type=int, default=6)
+    ap.add_argument("--bench", choices=("throughput", "server"), default="throughput")
+    ap.add_argument("--outputs", action="store_true", help="compare seeded outputs instead of timing")
     ap.add_argument("--kind", default="engine", help="bench_throughput worker kind (default: engine, capture off)")
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--n", type=int, default=8)
@@ -49,10 +118,13 @@ def main(argv=None) -> None:
         other = os.path.join(tmp, sha)
         subprocess.run(["git", "worktree", "add", "--detach", other, sha], cwd=HERE, check=True, capture_output=True)
         try:
+            if args.outputs:
+                sys.exit(compare_outputs(head, sha, other))
             runs: dict[str, list[float]] = {head: [], sha: []}
             for r in range(args.repeats):
                 for name, tree in ((head, HERE), (sha, other)):
-                    runs[name].append(run_tree(tree, args.kind, args.prompts, args.n))
+                    runs[name].append(run_tree(tree, args.kind, args.prompts, args.n) if args.bench == "throughput"
+                                      else run_server_tree(tree, seed=r))
                     print(f"repeat {r}: {name} {runs[name][-1]:.0f} tok/s", flush=True)
         finally:
             subprocess.run(["git", "worktree", "remove", "--force", other], cwd=HERE, check=False,
@@ -67,7 +139,7 @@ def main(argv=None) -> None:
           f"{', '.join(f'{x:.2f}' for x in per)}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"head": head, "other": sha, "kind": args.kind, "runs_tok_s": runs, "median_tok_s": med,
+            json.dump({"head": head, "other": sha, "bench": args.bench, "kind": args.kind, "runs_tok_s": runs, "median_tok_s": med,
                        "ratio": med[head] / med[sha], "ratio_per_repeat": per}, f, indent=2)
         print(f"wrote {args.json}")
 

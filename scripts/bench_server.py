@@ -125,13 +125,14 @@ def _forwards(stats: dict) -> tuple[int, int]:
 
 
 class Server:
-    def __init__(self, flags: list[str]):
+    def __init__(self, flags: list[str], tree: Path = ROOT):
+        """rollout-serve of `tree`'s code (another checkout: scripts/bench_against.py --bench server)."""
         self.log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
-        env = dict(os.environ, PYTHONPATH=str(ROOT), TOKENIZERS_PARALLELISM="false")
-        exe = Path(sys.executable).parent / "rollout-serve"
-        cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "rollout.server"]
+        env = dict(os.environ, PYTHONPATH=str(tree), TOKENIZERS_PARALLELISM="false")
+        # NOTE: `-m` from the tree's root: its engine processes (python -m ...) then import the tree's code too
+        cmd = [sys.executable, "-m", "rollout.server"]
         self.proc = subprocess.Popen(cmd + ["--host", "127.0.0.1", "--port", "0", "--log-level", "warning"] + flags,
-                                     stdout=self.log, stderr=subprocess.STDOUT, env=env, cwd=str(ROOT))
+                                     stdout=self.log, stderr=subprocess.STDOUT, env=env, cwd=str(tree))
         deadline = time.monotonic() + 120
         while True:
             m = re.search(r"listening on (http://\S+)", Path(self.log.name).read_text())
