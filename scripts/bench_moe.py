@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from capture.device_buffer import RoutedExpertsBuffer  # noqa: E402
+from capture.capturer import RoutedExpertsBuffer  # noqa: E402
 from rollout.models.moe import FusedExperts  # noqa: E402
 from rollout.models.topk import softmax_topk  # noqa: E402
 

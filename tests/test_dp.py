@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from capture.gather_layout import GatherLayout
+from capture.capturer import GatherLayout
 from oracle import hf_router_topk, same_sets
 from rollout import EngineDeadError
 from rollout.config import DEFAULT_MODEL_PATH

@@ -11,14 +11,12 @@ from hypothesis import strategies as st
 
 from core_driver import CoreDriver
 from capture.buffer_sizing import ForwardShapeLimits, capture_buffer_rows
-from capture.capturer import RoutedExpertsCapturer
-from capture.gather_layout import GatherLayout
+from capture.capturer import GatherLayout, RoutedExpertsBuffer, RoutedExpertsCapturer
 from oracle import hf_router_topk, same_sets
 from rollout.config import DEFAULT_MODEL_PATH, EngineConfig
 from rollout.core.engine_core import EngineCore
 from rollout.batch.kv_pool import SINK_SLOT, KVPool
 from rollout.exec.model_runner import ModelRunner
-from capture.device_buffer import RoutedExpertsBuffer
 from rollout.batch.forward_batch import ForwardBatch
 from rollout.models import load_model
 from rollout.models.moe import FusedExperts

@@ -10,7 +10,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from capture.device_buffer import RoutedExpertsBuffer  # noqa: E402
+from capture.capturer import RoutedExpertsBuffer  # noqa: E402
 from rollout.models.topk import softmax_topk  # noqa: E402
 from rollout.models.topk_triton import grouped_sigmoid_topk_triton, softmax_topk_triton  # noqa: E402
 

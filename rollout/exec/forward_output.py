@@ -6,7 +6,7 @@ from typing import Optional
 
 import torch
 
-from capture.gather_layout import GatherLayout
+from capture.capturer import GatherLayout
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ from typing import Any, Optional
 import torch
 
 from capture.buffer_sizing import ForwardShapeLimits
-from capture.gather_layout import GatherLayout
+from capture.capturer import GatherLayout
 from rollout.exec.forward_output import ForwardOutput
 from rollout.batch.kv_pool import KVPool
 from rollout.exec.runners.capture_profiler import GraphCaptureProfiler, Variant, variant_product

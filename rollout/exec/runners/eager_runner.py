@@ -6,7 +6,7 @@ from typing import Any, Optional
 
 import torch
 
-from capture.gather_layout import GatherLayout
+from capture.capturer import GatherLayout
 from rollout.exec.forward_output import ForwardOutput
 from rollout.batch.kv_pool import KVPool
 from rollout.exec.runners.padded_batch import padded_forward_batch

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 from capture.buffer_sizing import ForwardShapeLimits, capture_buffer_rows
-from capture.gather_layout import GatherLayout
+from capture.capturer import GatherLayout
 
 DECODE = "decode_graph"
 PREFILL = "prefill_graph"

@@ -14,7 +14,7 @@ from typing import Any, Optional
 
 import torch
 
-from capture.gather_layout import GatherLayout
+from capture.capturer import GatherLayout
 from rollout.batch.forward_batch import ForwardBatch
 from rollout.exec.forward_output import ForwardOutput
 from rollout.batch.kv_pool import KVPool
