@@ -6,6 +6,7 @@ import re
 
 import pytest
 import torch
+from attention_cases import slot_table
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -16,14 +17,13 @@ from oracle import hf_router_topk, same_sets
 from rollout.config import DEFAULT_MODEL_PATH, EngineConfig
 from rollout.core.engine_core import EngineCore
 from rollout.batch.kv_pool import SINK_SLOT, KVPool
-from rollout.exec.model_runner import ModelRunner
+from rollout.exec.model_runner import DECODE, EAGER, PREFILL, ModelRunner, RankShape, RunnerPlan
 from rollout.batch.forward_batch import ForwardBatch
 from rollout.models import load_model
 from rollout.models.moe import FusedExperts
 from rollout.exec.runners.piecewise_backend import PiecewiseBackend
 from rollout.core.radix_cache import RadixCache
 from rollout.core.request import Req, ReqState
-from rollout.exec.runners import DECODE, EAGER, PREFILL, RankShape, RunnerPlan
 from rollout.sampling_params import SamplingParams
 from rollout.core.scheduler import Scheduler
 from tiny_models import make_engine, random_prompts as prompts
@@ -171,7 +171,7 @@ def test_piecewise_prefill_equals_one_forward(tiny_checkpoint, arch, overrides):
         sink = torch.full((12,), SINK_SLOT)                     # padding to the 32-token bucket
         fb = ForwardBatch.build(input_ids=reqs[0][6:] + reqs[1] + [0] * 12, out_cache_loc=torch.cat(new + [sink]),
                                 prefix_lens=[6, 0, 0], extend_lens=[9, 11, 12],
-                                req_slots=[torch.cat([prefix, new[0]]), new[1], sink], kv_pool=pool, capture=buf)
+                                kv_indices=slot_table([torch.cat([prefix, new[0]]), new[1], sink]), kv_pool=pool, capture=buf)
         if piecewise:
             backend = PiecewiseBackend(model, max_tokens=32, device=torch.device("cpu"), use_graphs=False)
             assert len(backend.pieces(fb)) == info.num_hidden_layers + 1

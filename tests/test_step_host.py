@@ -7,13 +7,13 @@ import weakref
 
 import pytest
 import torch
+from attention_cases import slot_table
 from torch.overrides import TorchFunctionMode
 
 from rollout import Rollout
 from rollout.config import DEFAULT_MODEL_PATH, EngineConfig
 from rollout.core.engine_core import EngineCore
-from rollout.batch.kv_pool import SINK_SLOT, KVPool
-from rollout.core.req_to_token import ReqToTokenPool
+from rollout.batch.kv_pool import SINK_SLOT, KVPool, ReqToTokenPool
 from rollout.core.request import Req
 from rollout.batch.forward_batch import ForwardBatch
 from rollout.sampling_params import SamplingParams
@@ -44,7 +44,7 @@ def test_lazy_mask_matches_its_definition(seed):
     pool = KVPool(num_slots=256, num_layers=1, num_kv_heads=1, head_dim=4, dtype=torch.float32)
     slots = [torch.tensor(rng.sample(range(1, 257), p + e)) for p, e in zip(prefix, extend)]
     fb = ForwardBatch.build(input_ids=[3] * sum(extend), out_cache_loc=torch.cat([s[p:] for s, p in zip(slots, prefix)]),
-                            prefix_lens=prefix, extend_lens=extend, req_slots=slots, kv_pool=pool)
+                            prefix_lens=prefix, extend_lens=extend, kv_indices=slot_table(slots), kv_pool=pool)
     assert not fb.mask_built
     width = max(p + e for p, e in zip(prefix, extend))
     ref = reference_mask(prefix, extend, width)
@@ -276,7 +276,7 @@ def test_a_graphed_decode_step_syncs_only_for_its_one_read():
 
 
 def test_staging_packs_host_vectors_into_one_buffer():
-    from rollout.batch.host_staging import stage
+    from rollout.batch.host_device import stage
 
     parts = [torch.arange(5), torch.tensor([7, 8]), torch.zeros(0, dtype=torch.int64), torch.tensor([9])]
     out = stage(parts, torch.device("cpu"), pack=True)
@@ -286,7 +286,7 @@ def test_staging_packs_host_vectors_into_one_buffer():
 
 
 def test_host_reads_reads_each_column_once():
-    from rollout.core.host_reads import HostReads
+    from rollout.batch.host_device import HostReads
 
     reads = HostReads()
     ids, lps, ok = reads.read([torch.tensor([3, 2**40]), torch.tensor([-0.5, float("nan")]),

@@ -15,12 +15,11 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from rollout.batch.kv_pool import KVPool
+from rollout.batch.kv_pool import KVPool, ReqToTokenPool
 from rollout.core.radix_cache import RadixCache
-from rollout.core.req_to_token import ReqToTokenPool
 from rollout.core.request import Req, ReqState
 from rollout.core.wait_queue import WaitQueue
-from rollout.exec.scheduled_batch import ScheduledBatch
+from rollout.batch.forward_batch import ScheduledBatch
 
 
 MIN_SHARED_PREFIX = 8  # uncached tokens two new requests must share before one waits for the other

@@ -14,7 +14,7 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
-from rollout.batch.host_staging import to_device
+from rollout.batch.host_device import to_device
 from rollout.sampling_params import SamplingParams
 
 # splitmix64 (Steele, Lea, Flood 2014) constants; numpy's uint64 arithmetic wraps like the original.
