@@ -98,7 +98,6 @@ class EngineCore(EngineControl):
         self.runner = ModelRunner(model=self.model, kv_pool=self.kv_pool, device=self.device, limits=limits,
                                   capture_buffer=self.capturer.buffer if self.capturer else None,
                                   seq_capacity=self.context_length, ep_group=ep_group,
-                                  variant_axes=cfg.graph_variant_axes,
                                   attention_backend=make_attention_backend(
                                       cfg.resolved_attention_backend, device=self.device, model=self.model,
                                       exact=cfg.enable_deterministic_inference))

@@ -23,7 +23,7 @@ from capture.buffer_sizing import ForwardShapeLimits, capture_buffer_rows
 from capture.capturer import GatherLayout
 from rollout.batch.forward_batch import ForwardBatch, ForwardOutput, ScheduledBatch
 from rollout.batch.kv_pool import KVPool
-from rollout.exec.runners.capture_profiler import GraphCaptureProfiler, Variant, variant_product
+from rollout.exec.runners.capture_profiler import GraphCaptureProfiler
 from rollout.exec.runners.decode_graph_runner import DecodeGraphRunner
 from rollout.exec.runners.graph_backend import CudaGraphBackend, GraphBackend, GraphMemoryPool
 from rollout.exec.runners.piecewise_backend import PiecewiseBackend
@@ -168,7 +168,6 @@ class ModelRunner:
     def __init__(self, *, model: torch.nn.Module, kv_pool: KVPool, device: torch.device,
                  limits: Optional[ForwardShapeLimits] = None, capture_buffer: Optional[Any] = None,
                  seq_capacity: Optional[int] = None, ep_group: Optional[Any] = None,
-                 variant_axes: tuple[tuple[str, tuple[str, ...]], ...] = (),
                  use_cuda_graphs: Optional[bool] = None, static_grid: Optional[bool] = None,
                  attention_backend: Optional[Any] = None):
         """limits: the same ForwardShapeLimits the capture buffer is sized from (None: eager only).
@@ -209,20 +208,18 @@ class ModelRunner:
                                        use_graphs=use_cuda_graphs, pool=self.graph_pool)
             self.runners[PREFILL] = PrefillGraphRunner(
                 sizes=limits.prefill_graph_token_sizes, backend=backend, dp_size=limits.dp_size, **common)
-        self.variants: list[Variant] = variant_product(variant_axes)
         self.counts: Counter = Counter()
         self.recent_layouts: deque[GatherLayout] = deque(maxlen=512)
 
     def capture(self, profiler: Optional[GraphCaptureProfiler] = None) -> None:
-        """Captures every static runner's buckets (x every variant): CUDA graphs on GPU; on CPU only
+        """Captures every static runner's buckets: CUDA graphs on GPU; on CPU only
         with a profiler (then each capture is a warm-up forward of that bucket's static buffers)."""
         profiler = profiler or GraphCaptureProfiler(None)
         # NOTE: prefill buckets (hundreds of tokens) first: smaller graphs reuse their pool memory
         for name in (PREFILL, DECODE):
             runner = self.runners.get(name)
             if runner is not None and (runner.backend.uses_graphs or profiler.enabled):
-                runner.capture(profiler, self.variants, self.dp_rank)
-                runner.active_variant = self.variants[0]
+                runner.capture(profiler, self.dp_rank)
 
     def report(self) -> dict:
         """Per static runner: whether it replays CUDA graphs, how many it captured per key, forwards run."""

@@ -17,7 +17,7 @@ import torch
 from capture.capturer import GatherLayout
 from rollout.batch.forward_batch import ForwardBatch, ForwardOutput
 from rollout.batch.kv_pool import KVPool
-from rollout.exec.runners.capture_profiler import CaptureTag, GraphCaptureProfiler, Variant
+from rollout.exec.runners.capture_profiler import CaptureTag, GraphCaptureProfiler
 from rollout.exec.runners.graph_backend import GraphBackend
 from rollout.exec.runners.static_inputs import StaticInputs
 
@@ -44,7 +44,6 @@ class StaticShapeRunner:
         self.ep_group = ep_group
         self.attention = attention
         self.inputs = {size: self.make_inputs(size) for size in self.sizes}
-        self.active_variant: Variant = ()
 
     # ---- per-runner shape rules ---------------------------------------------------------------
     def extent(self, size: int) -> int:
@@ -73,19 +72,18 @@ class StaticShapeRunner:
         assert choice.extent == extent, (choice, extent)
         layout = GatherLayout.padded(self.name, counts, extent=extent)
         fb = self._batch(batch, choice.size, layout)
-        logits = self.backend.run((choice.size, self.active_variant), fb)
+        logits = self.backend.run(choice.size, fb)
         num = len(batch.reqs) if batch is not None else 0
         logits = logits[:num].float()
         if self.backend.uses_graphs:
             logits = logits.clone()  # NOTE: the graph's output buffer is overwritten by the next replay
         return ForwardOutput(logits=logits, layout=layout)
 
-    def capture(self, profiler: GraphCaptureProfiler, variants: list[Variant], rank: int) -> None:
-        """Captures every (bucket, variant), largest bucket first; one profiler trace per capture."""
+    def capture(self, profiler: GraphCaptureProfiler, rank: int) -> None:
+        """Captures every bucket, largest first; one profiler trace per capture."""
         for size in sorted(self.sizes, reverse=True):
-            for variant in variants:
-                layout = GatherLayout.padded(self.name, (0,) * self.dp_size, extent=self.extent(size))
-                fb = self._batch(None, size, layout)
-                tag = CaptureTag(self.tag_runner, self.size_label, size, variant, rank)
-                with profiler.capturing(tag):
-                    self.backend.capture((size, variant), fb, variant)
+            layout = GatherLayout.padded(self.name, (0,) * self.dp_size, extent=self.extent(size))
+            fb = self._batch(None, size, layout)
+            tag = CaptureTag(self.tag_runner, self.size_label, size, rank)
+            with profiler.capturing(tag):
+                self.backend.capture(size, fb)
