@@ -22,6 +22,11 @@ from tiny_models import random_prompts as prompts
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
 
 
+
+def mask_built(fb: ForwardBatch) -> bool:
+    """Whether this forward holds a mask (attn_mask, or a kept segment mask of grid_mask)."""
+    return "attn_mask" in fb.__dict__ or bool(fb.__dict__.get("_kept_masks"))
+
 def reference_mask(prefix_lens, extend_lens, width):
     """[B, 1, max_extend, width] by definition: query i of request b (position prefix + i) sees key
     p <= that position and p < seq_len; a padded query row (i >= extend) sees key 0 only."""
@@ -45,15 +50,15 @@ def test_lazy_mask_matches_its_definition(seed):
     slots = [torch.tensor(rng.sample(range(1, 257), p + e)) for p, e in zip(prefix, extend)]
     fb = ForwardBatch.build(input_ids=[3] * sum(extend), out_cache_loc=torch.cat([s[p:] for s, p in zip(slots, prefix)]),
                             prefix_lens=prefix, extend_lens=extend, kv_indices=slot_table(slots), kv_pool=pool)
-    assert not fb.mask_built
+    assert not mask_built(fb)
     width = max(p + e for p, e in zip(prefix, extend))
     ref = reference_mask(prefix, extend, width)
     lo = rng.randrange(bsz)
     hi = rng.randint(lo + 1, bsz)
     part = fb.grid_mask(lo, hi, max(extend[lo:hi]), max(p + e for p, e in zip(prefix[lo:hi], extend[lo:hi])))
-    assert not fb.mask_built     # a segment's grid is made on its own
+    assert not mask_built(fb)     # a segment's grid is made on its own
     assert torch.equal(part, ref[lo:hi, :, :part.shape[2], :part.shape[3]])
-    assert torch.equal(fb.attn_mask, ref) and fb.mask_built
+    assert torch.equal(fb.attn_mask, ref) and mask_built(fb)
 
 
 def _count_grid_masks(monkeypatch):
@@ -224,7 +229,7 @@ def test_a_decode_step_reads_the_device_once():
 
 def test_a_long_chunk_attends_in_mask_blocks(monkeypatch):
     from attention_cases import attention_case
-    from rollout.models import attention
+    from rollout.models import layers
 
     layer, q, fb, _ = attention_case([40], [100], heads=4, kv_heads=2, dim=16, seed=3)
     kv = fb.kv_pool.kv_buffers[0][fb.kv_indices[0]].double()                 # [140, 2, kvH, D]
@@ -241,12 +246,12 @@ def test_a_long_chunk_attends_in_mask_blocks(monkeypatch):
         shapes.append(tuple(out.shape))
         return out
     monkeypatch.setattr(ForwardBatch, "grid_mask", recorded)
-    monkeypatch.setattr(attention, "MASK_BLOCK_CELLS", 1000)
+    monkeypatch.setattr(layers, "MASK_BLOCK_CELLS", 1000)
     out = layer.torch_attend(q, fb)
     assert len(shapes) == 15 and max(s[2] * s[3] for s in shapes) <= 1000   # 7 query rows x 140 keys a block
-    assert not fb.mask_built
+    assert not mask_built(fb)
     torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
-    monkeypatch.setattr(attention, "MASK_BLOCK_CELLS", 1 << 24)
+    monkeypatch.setattr(layers, "MASK_BLOCK_CELLS", 1 << 24)
     shapes.clear()
     whole = layer.torch_attend(q, fb)
     assert shapes == [(1, 1, 100, 140)]

@@ -151,11 +151,6 @@ class ForwardBatch:
         FlashInfer backends never do, so their steps never make it."""
         return self.grid_mask(0, self.batch_size, self.max_extend, self.kv_indices.shape[1], keep=True)
 
-    @property
-    def mask_built(self) -> bool:
-        """Whether this forward holds a mask (attn_mask or a kept segment mask)."""
-        return "attn_mask" in self.__dict__ or bool(self.__dict__.get("_kept_masks"))
-
     def grid_mask(self, lo: int, hi: int, extend: int, width: int, q_lo: int = 0, *, keep: bool = False) -> torch.Tensor:
         """attn_mask[lo:hi, :, q_lo:q_lo+extend, :width] made on its own (an AttentionSegment's
         grid, or a block of its query rows: never the whole batch's) -> [hi-lo, 1, extend, width].
