@@ -13,8 +13,8 @@ prefill buckets, CUDA graphs on GPU) live in rollout/exec/runners/.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 from collections import Counter, deque
+from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 import torch
