@@ -13,15 +13,14 @@ class ForwardShapeLimits:
     chunked_prefill_tokens: int               # most tokens one prefill forward carries on a rank
     decode_graph_batch_sizes: tuple[int, ...] = ()
     prefill_graph_token_sizes: tuple[int, ...] = ()
-    tokens_per_decode_step: int = 1           # > 1 with speculative verify
 
     @property
     def max_tokens_per_rank(self) -> int:
         return max(
-            max(self.decode_graph_batch_sizes, default=0) * self.tokens_per_decode_step,
+            max(self.decode_graph_batch_sizes, default=0),
             max(self.prefill_graph_token_sizes, default=0),
             self.chunked_prefill_tokens,
-            self.max_running_requests * self.tokens_per_decode_step,
+            self.max_running_requests,
         )
 
 
@@ -31,7 +30,7 @@ def capture_buffer_rows(limits: ForwardShapeLimits) -> int:
     NOTE: under DP attention the MoE sees all ranks' tokens gathered (padded to the runner's extent
     when a graph runner runs), so the buffer holds dp_size times the largest per-rank extent.
     """
-    for name in ("dp_size", "max_running_requests", "chunked_prefill_tokens", "tokens_per_decode_step"):
+    for name in ("dp_size", "max_running_requests", "chunked_prefill_tokens"):
         value = getattr(limits, name)
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be an integer >= 1 to size the capture buffer, got {value!r}")

@@ -1,17 +1,150 @@
-"""RoutedExpertsCapturer: device buffer -> host store after each forward; per-request row assembly."""
+"""Routed-expert capture: where each DP rank's tokens sit in a forward's gathered MoE input
+(GatherLayout, invariant 2), the device buffer the MoE top-k op writes each layer's expert ids
+into (RoutedExpertsBuffer), the host store of routing rows per KV slot (RoutedExpertsStore), and
+the capturer that moves rows from one to the other after each forward and assembles a request's
+rows (RoutedExpertsCapturer)."""
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
 from capture.buffer_sizing import ForwardShapeLimits, capture_buffer_rows
-from capture.device_buffer import RoutedExpertsBuffer
-from capture.gather_layout import GatherLayout
-from capture.host_store import RoutedExpertsStore
+from capture.codec import narrowest_dtype
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True)
+class GatherLayout:
+    """Made by the runner that executes a forward; drives both the hidden-state gather and capture.
+
+    padded: rank r's tokens start at r * padded_extent (static-shape runners);
+    packed: rank r's tokens start at the prefix sum of the token counts before it (eager).
+    """
+
+    runner: str                       # the runner that executed, e.g. "eager", "decode_graph"
+    token_counts: tuple[int, ...]     # real tokens per rank
+    padded_extent: int | None = None  # per-rank extent when padded; None when packed
+
+    def __post_init__(self) -> None:
+        assert len(self.token_counts) >= 1
+        if self.padded_extent is not None:
+            assert all(c <= self.padded_extent for c in self.token_counts), (self.token_counts, self.padded_extent)
+
+    @staticmethod
+    def packed(runner: str, token_counts: tuple[int, ...]) -> "GatherLayout":
+        return GatherLayout(runner=runner, token_counts=tuple(token_counts))
+
+    @staticmethod
+    def padded(runner: str, token_counts: tuple[int, ...], extent: int) -> "GatherLayout":
+        return GatherLayout(runner=runner, token_counts=tuple(token_counts), padded_extent=extent)
+
+    @property
+    def dp_size(self) -> int:
+        return len(self.token_counts)
+
+    @property
+    def total_rows(self) -> int:
+        if self.padded_extent is not None:
+            return self.padded_extent * self.dp_size
+        return sum(self.token_counts)
+
+    def rank_start(self, rank: int) -> int:
+        if self.padded_extent is not None:
+            return rank * self.padded_extent
+        return sum(self.token_counts[:rank])
+
+    def rank_rows(self, rank: int) -> tuple[int, int]:
+        """[start, stop) rows of rank's real tokens in the gathered buffer."""
+        start = self.rank_start(rank)
+        return start, start + self.token_counts[rank]
+
+    def rank_span(self, rank: int) -> tuple[int, int]:
+        """[start, stop) rows rank r contributed to the gather: its whole padded extent, or its tokens."""
+        start = self.rank_start(rank)
+        width = self.padded_extent if self.padded_extent is not None else self.token_counts[rank]
+        return start, start + width
+
+    @property
+    def max_span(self) -> int:
+        """Rows of the widest rank's contribution (padded extent, or the largest token count)."""
+        return self.padded_extent if self.padded_extent is not None else max(self.token_counts)
+
+
+class RoutedExpertsBuffer:
+    """[rows, num_hidden_layers, top_k] int32 on the model's device; rows sized by capture_buffer_rows."""
+
+    def __init__(self, *, rows: int, num_layers: int, top_k: int, device: torch.device | str = "cpu"):
+        self.rows = rows
+        self.num_layers = num_layers
+        self.top_k = top_k
+        self.buffer = torch.full((rows, num_layers, top_k), -1, dtype=torch.int32, device=device)
+
+    @property
+    def nbytes(self) -> int:
+        return self.buffer.numel() * self.buffer.element_size()
+
+    def record(self, layer_id: int, topk_ids: torch.Tensor) -> None:
+        """topk_ids: [num_tokens, top_k] logical expert ids of layer layer_id, in token order."""
+        n = topk_ids.shape[0]
+        assert n <= self.rows, f"forward of {n} tokens exceeds the capture buffer ({self.rows} rows)"
+        self.buffer[:n, layer_id].copy_(topk_ids)
+
+    def layer_rows(self, layer_id: int, n: int) -> torch.Tensor:
+        """The [n, top_k] int32 view of layer layer_id's first n rows (row stride num_layers * top_k):
+        where a fused top-k kernel stores the ids itself instead of calling record()."""
+        assert n <= self.rows, f"forward of {n} tokens exceeds the capture buffer ({self.rows} rows)"
+        return self.buffer[:n, layer_id]
+
+    def rows_view(self, start: int, stop: int) -> torch.Tensor:
+        return self.buffer[start:stop]
+
+
+class RoutedExpertsStore:
+    """[kv_slots, num_hidden_layers, top_k]; the sentinel marks "no routing" (dense layers).
+
+    Indexed by KV slot, so a prefix-cache hit reads the rows recorded when that KV was computed.
+    """
+
+    def __init__(self, *, num_slots: int, num_layers: int, top_k: int, num_experts: int,
+                 moe_layer_ids: tuple[int, ...]):
+        self.dtype = narrowest_dtype(num_experts)
+        self.sentinel = 255 if self.dtype == torch.uint8 else -1
+        self.num_layers = num_layers
+        self.top_k = top_k
+        self.moe_layer_ids = tuple(moe_layer_ids)
+        self._all_moe = self.moe_layer_ids == tuple(range(num_layers))
+        self._moe_index = torch.tensor(self.moe_layer_ids, dtype=torch.int64)
+        self.store = torch.full((num_slots, num_layers, top_k), self.sentinel, dtype=self.dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return self.store.numel() * self.store.element_size()
+
+    @property
+    def bytes_per_slot(self) -> int:
+        return self.num_layers * self.top_k * self.store.element_size()
+
+    def write(self, slots: torch.Tensor, rows: torch.Tensor) -> None:
+        """slots: [N] KV slots; rows: [N, num_layers, top_k] int32 from the device buffer."""
+        rows = rows.to("cpu", non_blocking=False)
+        if self._all_moe:
+            self.store[slots] = rows.to(self.dtype)
+        else:
+            # NOTE: dense layers keep the sentinel; only MoE layers' entries are written.
+            sel = self.store[slots]
+            sel[:, self._moe_index] = rows[:, self._moe_index].to(self.dtype)
+            self.store[slots] = sel
+
+    def gather(self, slots: torch.Tensor) -> torch.Tensor:
+        """[len(slots), num_layers, top_k] int32 with -1 for "no routing"."""
+        rows = self.store[slots].to(torch.int32)
+        if self.sentinel != -1:
+            rows[rows == self.sentinel] = -1
+        return rows
 
 
 class RoutedExpertsCapturer:

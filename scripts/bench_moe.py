@@ -23,9 +23,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from capture.device_buffer import RoutedExpertsBuffer  # noqa: E402
-from rollout.models.moe import FusedExperts  # noqa: E402
-from rollout.models.topk import softmax_topk  # noqa: E402
+from capture.capturer import RoutedExpertsBuffer  # noqa: E402
+from rollout.models.moe import FusedExperts, softmax_topk  # noqa: E402
 
 HBM_BYTES_PER_S = 4.8e12
 SHAPES = {"qwen3-30b-a3b": dict(hidden=2048, experts=128, top_k=8, inter=768),

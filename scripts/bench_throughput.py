@@ -176,7 +176,7 @@ def decode_batch(core: EngineCore, bsz: int, ctx: int) -> ForwardBatch:
     assert slots is not None, "KV pool too small for the bare-forward benchmark"
     per = slots.view(bsz, ctx + 1)
     fb = ForwardBatch.build(input_ids=[5] * bsz, out_cache_loc=per[:, -1].clone(), prefix_lens=[ctx] * bsz,
-                            extend_lens=[1] * bsz, req_slots=list(per), kv_pool=core.kv_pool)
+                            extend_lens=[1] * bsz, kv_indices=per, kv_pool=core.kv_pool)
     core.kv_pool.free(slots)
     return fb
 

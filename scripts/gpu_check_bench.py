@@ -71,7 +71,7 @@ def exact_moe_kernels(report, sec: str, shape, device: str, dtype: torch.dtype, 
 
     from rollout.models.moe_triton import fused_moe  # noqa: PLC0415
     from rollout.models.moe_triton_exact import fused_moe_exact  # noqa: PLC0415
-    from rollout.models.topk import softmax_topk  # noqa: PLC0415
+    from rollout.models.moe import softmax_topk  # noqa: PLC0415
 
     dev = torch.device(device)
     gen = torch.Generator(device=dev).manual_seed(0)

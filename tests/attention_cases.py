@@ -6,8 +6,14 @@ from typing import Optional, Sequence
 import torch
 
 from rollout.batch.forward_batch import ForwardBatch
-from rollout.batch.kv_pool import KVPool
-from rollout.models.attention import PagedAttention
+from rollout.batch.kv_pool import SINK_SLOT, KVPool
+from rollout.models.layers import PagedAttention
+
+
+def slot_table(rows: Sequence[torch.Tensor]) -> torch.Tensor:
+    """ForwardBatch.build's kv_indices from each request's KV slots by position: [B, longest] int64,
+    shorter rows padded with SINK_SLOT."""
+    return torch.nn.utils.rnn.pad_sequence(list(rows), batch_first=True, padding_value=SINK_SLOT)
 
 
 def attention_case(prefix_lens: Sequence[int], extend_lens: Sequence[int], *, heads: int = 4, kv_heads: int = 2,
@@ -31,7 +37,7 @@ def attention_case(prefix_lens: Sequence[int], extend_lens: Sequence[int], *, he
             rows[r][:p] = rows[members[0]][:p]
     out_loc = torch.cat([r[p:] for r, p in zip(rows, prefix_lens)]) if rows else torch.zeros(0, dtype=torch.int64)
     fb = ForwardBatch.build(input_ids=[0] * sum(extend_lens), out_cache_loc=out_loc, prefix_lens=list(prefix_lens),
-                            extend_lens=list(extend_lens), req_slots=rows, kv_pool=pool, device=device,
+                            extend_lens=list(extend_lens), kv_indices=slot_table(rows), kv_pool=pool, device=device,
                             segment_attention=bool(groups), prefix_groups=groups)
     layer = PagedAttention(layer_id=0, num_heads=heads, num_kv_heads=kv_heads, head_dim=dim, sliding_window=window)
     q = torch.randn(fb.num_tokens, heads, dim, generator=g).to(device=device, dtype=dtype)

@@ -9,9 +9,8 @@ import torch
 from attention_cases import attention_case, reference
 from rollout.config import DEFAULT_MODEL_PATH, EngineConfig
 from rollout.core.engine_core import EngineCore
-from rollout.exec.model_runner import ModelRunner
+from rollout.exec.model_runner import DECODE, PREFILL, ModelRunner
 from rollout.models.attention_backend import make_attention_backend
-from rollout.exec.runners import DECODE, PREFILL
 from test_runners import _run_core
 from tiny_models import random_prompts as prompts
 

@@ -12,11 +12,19 @@ from attention_cases import attention_case, reference  # noqa: E402
 from rollout.models.cascade_attention_kernel import cascade_decode_attention  # noqa: E402
 from rollout.models.decode_attention_kernel import decode_attention  # noqa: E402
 from rollout.models.extend_attention_kernel import extend_attention  # noqa: E402
-from rollout.models.merge_attention_kernel import merge_attention_states, merge_attention_states_torch  # noqa: E402
+from rollout.models.merge_attention_kernel import merge_attention_states  # noqa: E402
 from rollout.batch.paged_kv_metadata import paged_kv_metadata  # noqa: E402
 
 ATOL = 2e-5
 HEADS = [(4, 4), (4, 2), (6, 2), (8, 1)]          # (query heads, kv heads): MHA, GQA 2, 3 (not a power of 2), 8
+
+
+def merge_attention_states_torch(out_part: torch.Tensor, lse_part: torch.Tensor) -> torch.Tensor:
+    """The torch reference of merge_attention_states: [B, H, P, D], [B, H, P] -> fp32 [B, H, D]."""
+    top = lse_part.amax(-1, keepdim=True)
+    top = torch.where(torch.isinf(top), torch.zeros_like(top), top)
+    w = torch.exp(lse_part - top)
+    return (out_part * w[..., None]).sum(-2) / w.sum(-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
 
 
 def run_decode(layer, q, fb, splits):

@@ -172,7 +172,7 @@ ENGINE_FLAGS_BEFORE = {
     "--weight-update-bucket-bytes": (512 * 2**20, None, int, None, "distributed weight updates: bytes received "
                                      "per bucket before copying into the weights (default 512 MiB)"),
 }
-CLI_OFF = {"graph_variant_axes"}   # test-only, set from Python
+CLI_OFF: set[str] = set()   # fields without a rollout-serve flag (no_flag)
 
 
 def _engine_group(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
@@ -234,11 +234,6 @@ def test_flags_spellings():
         "--chunked-prefill-size", "-1", "--disable-prefix-caching"]
     assert ServerArgs.from_cli(["--chunked-prefill-size", "0"]).engine.chunked_prefill_size is None
     assert engine_flags(EngineConfig(decode_graph_batch_sizes=[2, 1])) == ["--decode-graph-batch-sizes", "1", "2"]
-    cfg = EngineConfig(graph_variant_axes={"lora": ["a", "b"]})
-    with pytest.raises(ValueError, match="graph_variant_axes: has no rollout-serve flag"):
-        engine_flags(cfg)
-    with pytest.raises(ConfigFileError, match="engine.graph_variant_axes: has no rollout-serve flag"):
-        serve_flags(cfg)
 
 
 @pytest.mark.parametrize("argv, says", [

@@ -8,13 +8,14 @@ import json
 
 import pytest
 import torch
+from attention_cases import slot_table
 from safetensors.torch import load_file, save_file
 
 from oracle import hf_greedy, hf_model
 from rollout.batch.forward_batch import ForwardBatch
 from rollout.batch.kv_pool import KVPool
 from rollout.models import load_model
-from rollout.models.topk import grouped_sigmoid_topk
+from rollout.models.sigmoid_moe import grouped_sigmoid_topk
 from rollout.exec.runners.piecewise_backend import PiecewiseBackend
 from tiny_models import GROUPED_ARCHS, make_engine, random_prompts
 
@@ -150,7 +151,7 @@ def test_prefill_then_decode_match_hf(tiny_checkpoint, arch, overrides):
     got = []
     for lo, hi in ((0, 9), (9, 20), (20, 21), (21, 22), (22, 23)):
         fb = ForwardBatch.build(input_ids=seq[lo:hi], out_cache_loc=slots[lo:hi], prefix_lens=[lo],
-                                extend_lens=[hi - lo], req_slots=[slots[:hi]], kv_pool=pool)
+                                extend_lens=[hi - lo], kv_indices=slot_table([slots[:hi]]), kv_pool=pool)
         got.append(model(fb, return_all_logits=True))
     torch.testing.assert_close(torch.cat(got), want, rtol=1e-4, atol=1e-4)
 
@@ -178,7 +179,7 @@ def test_segments_and_pieces_equal_one_forward(tiny_checkpoint, arch):
         pool, cap = _pool(model), RecordingCapture()
         slots = [pool.alloc(len(r)) for r in reqs]
         fb = ForwardBatch.build(input_ids=sum(reqs, []), out_cache_loc=torch.cat(slots), prefix_lens=[0, 0, 0],
-                                extend_lens=[len(r) for r in reqs], req_slots=slots, kv_pool=pool, capture=cap,
+                                extend_lens=[len(r) for r in reqs], kv_indices=slot_table(slots), kv_pool=pool, capture=cap,
                                 segment_attention=how == "segments")
         assert bool(fb.segments) == (how == "segments")
         if how == "pieces":
@@ -206,17 +207,17 @@ def test_decode_with_cascade_equals_one_grid(tiny_checkpoint, arch):
         pool = _pool(model, slots=512)
         shared = pool.alloc(len(prompt))
         model(ForwardBatch.build(input_ids=prompt, out_cache_loc=shared, prefix_lens=[0], extend_lens=[len(prompt)],
-                                 req_slots=[shared], kv_pool=pool))
+                                 kv_indices=slot_table([shared]), kv_pool=pool))
         rows = []
         for tail in tails:
             own = pool.alloc(len(tail))
             slots = torch.cat([shared, own])
             model(ForwardBatch.build(input_ids=tail[:-1], out_cache_loc=own[:-1], prefix_lens=[len(prompt)],
-                                     extend_lens=[len(tail) - 1], req_slots=[slots[:-1]], kv_pool=pool))
+                                     extend_lens=[len(tail) - 1], kv_indices=slot_table([slots[:-1]]), kv_pool=pool))
             rows.append(slots)
         cap = RecordingCapture()
         fb = ForwardBatch.build(input_ids=[t[-1] for t in tails], out_cache_loc=torch.stack([r[-1] for r in rows]),
-                                prefix_lens=[len(r) - 1 for r in rows], extend_lens=[1] * len(rows), req_slots=rows,
+                                prefix_lens=[len(r) - 1 for r in rows], extend_lens=[1] * len(rows), kv_indices=slot_table(rows),
                                 kv_pool=pool, capture=cap, segment_attention=cascade,
                                 prefix_groups=((len(prompt), tuple(range(len(rows)))),) if cascade else ())
         assert (fb.cascade is not None) == cascade
@@ -277,7 +278,7 @@ def test_weight_update_by_hf_names(tiny_checkpoint):
     slots = pool.alloc(len(seq))
     cap = RecordingCapture()
     fb = ForwardBatch.build(input_ids=seq, out_cache_loc=slots, prefix_lens=[0], extend_lens=[len(seq)],
-                            req_slots=[slots], kv_pool=pool, capture=cap)
+                            kv_indices=slot_table([slots]), kv_pool=pool, capture=cap)
     got = model(fb, return_all_logits=True)
     with torch.no_grad():
         want = hf(torch.tensor([seq])).logits[0]

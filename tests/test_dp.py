@@ -9,11 +9,11 @@ import time
 import pytest
 import torch
 
-from capture.gather_layout import GatherLayout
+from capture.capturer import GatherLayout
 from oracle import hf_router_topk, same_sets
 from rollout import EngineDeadError
 from rollout.config import DEFAULT_MODEL_PATH
-from rollout.exec.runners import DECODE, EAGER, PREFILL
+from rollout.exec.model_runner import DECODE, EAGER, PREFILL
 from tiny_models import make_engine, random_prompts as prompts
 
 

@@ -8,6 +8,7 @@ import shutil
 
 import pytest
 import torch
+from attention_cases import slot_table
 from safetensors.torch import load_file, save_file
 
 from rollout.batch.forward_batch import ForwardBatch
@@ -64,7 +65,7 @@ def forward_step(model, pool, chunks, slots, prefix_lens, capture=None, **kw):
     out_loc = torch.cat([s[p:p + len(c)] for s, p, c in zip(slots, prefix_lens, chunks)])
     fb = ForwardBatch.build(input_ids=[t for c in chunks for t in c], out_cache_loc=out_loc,
                             prefix_lens=list(prefix_lens), extend_lens=[len(c) for c in chunks],
-                            req_slots=[s[:p + len(c)] for s, p, c in zip(slots, prefix_lens, chunks)],
+                            kv_indices=slot_table([s[:p + len(c)] for s, p, c in zip(slots, prefix_lens, chunks)]),
                             kv_pool=pool, capture=capture)
     return fb, model(fb, **kw)
 
@@ -159,7 +160,7 @@ def test_decode_segments_match_one_grid(tiny_checkpoint, arch, overrides):
         fb = ForwardBatch.build(input_ids=[ps[i][-1] for i in order],
                                 out_cache_loc=torch.stack([slots[i][lens[i] - 1] for i in order]),
                                 prefix_lens=[lens[i] - 1 for i in order], extend_lens=[1] * len(ps),
-                                req_slots=[slots[i][:lens[i]] for i in order],
+                                kv_indices=slot_table([slots[i][:lens[i]] for i in order]),
                                 kv_pool=pool, capture=RecordingCapture(), segment_attention=segment)
         runs = fb.segments
         assert len(runs) >= min_runs and (not runs or (runs[0].lo, runs[-1].hi) == (0, 32))
@@ -211,7 +212,7 @@ def test_decode_cascade_matches_one_grid(tiny_checkpoint, arch, overrides):
             rows.append(slots)
             tokens.append(p[-1])
         fb = ForwardBatch.build(input_ids=tokens, out_cache_loc=torch.stack([r[-1] for r in rows]),
-                                prefix_lens=[len(r) - 1 for r in rows], extend_lens=[1] * len(rows), req_slots=rows,
+                                prefix_lens=[len(r) - 1 for r in rows], extend_lens=[1] * len(rows), kv_indices=slot_table(rows),
                                 kv_pool=pool, capture=RecordingCapture(), segment_attention=cascade,
                                 prefix_groups=tuple(groups) if cascade else ())
         assert (fb.cascade is not None) == cascade and not fb.segments
@@ -243,7 +244,7 @@ def test_prefill_segments_match_one_grid(tiny_checkpoint, arch, overrides):
         fb = ForwardBatch.build(input_ids=[t for (p, _), q in zip(shape, ps) for t in q[p:]],
                                 out_cache_loc=torch.cat([s[p:] for s, (p, _) in zip(slots, shape)]),
                                 prefix_lens=[p for p, _ in shape], extend_lens=[e for _, e in shape],
-                                req_slots=slots, kv_pool=pool, capture=RecordingCapture(), segment_attention=segment)
+                                kv_indices=slot_table(slots), kv_pool=pool, capture=RecordingCapture(), segment_attention=segment)
         if segment:
             assert len(fb.segments) >= 2 and fb.segments[0].extend == 1, [(g.lo, g.extend) for g in fb.segments]
             assert sum(g.tok_hi - g.tok_lo for g in fb.segments) == fb.num_tokens

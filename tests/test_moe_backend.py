@@ -11,7 +11,7 @@ import torch
 
 from rollout import Rollout
 from rollout.config import MOE_BACKENDS, EngineConfig
-from rollout.exec.runners import DECODE, EAGER, PREFILL
+from rollout.exec.model_runner import DECODE, EAGER, PREFILL
 from rollout.server.args import ServerArgs
 from tiny_models import random_prompts
 

@@ -6,26 +6,24 @@ import re
 
 import pytest
 import torch
+from attention_cases import slot_table
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from core_driver import CoreDriver
 from capture.buffer_sizing import ForwardShapeLimits, capture_buffer_rows
-from capture.capturer import RoutedExpertsCapturer
-from capture.gather_layout import GatherLayout
+from capture.capturer import GatherLayout, RoutedExpertsBuffer, RoutedExpertsCapturer
 from oracle import hf_router_topk, same_sets
 from rollout.config import DEFAULT_MODEL_PATH, EngineConfig
 from rollout.core.engine_core import EngineCore
 from rollout.batch.kv_pool import SINK_SLOT, KVPool
-from rollout.exec.model_runner import ModelRunner
-from capture.device_buffer import RoutedExpertsBuffer
+from rollout.exec.model_runner import DECODE, EAGER, PREFILL, ModelRunner, RankShape, RunnerPlan
 from rollout.batch.forward_batch import ForwardBatch
 from rollout.models import load_model
 from rollout.models.moe import FusedExperts
 from rollout.exec.runners.piecewise_backend import PiecewiseBackend
 from rollout.core.radix_cache import RadixCache
 from rollout.core.request import Req, ReqState
-from rollout.exec.runners import DECODE, EAGER, PREFILL, RankShape, RunnerPlan
 from rollout.sampling_params import SamplingParams
 from rollout.core.scheduler import Scheduler
 from tiny_models import make_engine, random_prompts as prompts
@@ -173,7 +171,7 @@ def test_piecewise_prefill_equals_one_forward(tiny_checkpoint, arch, overrides):
         sink = torch.full((12,), SINK_SLOT)                     # padding to the 32-token bucket
         fb = ForwardBatch.build(input_ids=reqs[0][6:] + reqs[1] + [0] * 12, out_cache_loc=torch.cat(new + [sink]),
                                 prefix_lens=[6, 0, 0], extend_lens=[9, 11, 12],
-                                req_slots=[torch.cat([prefix, new[0]]), new[1], sink], kv_pool=pool, capture=buf)
+                                kv_indices=slot_table([torch.cat([prefix, new[0]]), new[1], sink]), kv_pool=pool, capture=buf)
         if piecewise:
             backend = PiecewiseBackend(model, max_tokens=32, device=torch.device("cpu"), use_graphs=False)
             assert len(backend.pieces(fb)) == info.num_hidden_layers + 1
@@ -228,45 +226,39 @@ def test_routed_dp_rank_validated(tiny_checkpoint):
 
 # ---- graph-capture profiling --------------------------------------------------------------------
 
-_TRACE_NAME = re.compile(r"^(decode|prefill)_(bs|tokens)(\d+)((?:_[A-Za-z0-9]+-[A-Za-z0-9.]+)*)_rank(\d+)\.json$")
+_TRACE_NAME = re.compile(r"^(decode|prefill)_(bs|tokens)(\d+)_rank(\d+)\.json$")
 
 
 def _trace_facts(path):
     events = json.load(open(path))["traceEvents"]
     embed = [e["args"]["Input Dims"] for e in events if e.get("name") == "aten::embedding"]
     sdpa = [e["args"]["Input Dims"] for e in events if e.get("name") == "aten::scaled_dot_product_attention"]
-    spans = [e["name"] for e in events if e.get("name", "").startswith(("graph_variant[", "graph_capture["))]
+    spans = [e["name"] for e in events if e.get("name", "").startswith("graph_capture[")]
     return embed, sdpa, spans
 
 
 def test_profile_graph_capture_one_trace_per_shape(tmp_path):
-    axes = {"lora": ("a", "b"), "attn": ("x", "y", "z")}
     out = tmp_path / "traces"
-    cfg = EngineConfig(dtype="float32", decode_graph_batch_sizes=(8,), prefill_graph_token_sizes=(16,),
-                       enable_profile_graph_capture=True, profile_graph_capture_dir=str(out),
-                       graph_variant_axes=axes, max_total_tokens=256)
+    cfg = EngineConfig(dtype="float32", decode_graph_batch_sizes=(4, 8), prefill_graph_token_sizes=(16,),
+                       enable_profile_graph_capture=True, profile_graph_capture_dir=str(out), max_total_tokens=256)
     EngineCore(cfg)
     names = sorted(os.listdir(out))
-    assert len(names) == 2 * 2 * 3 == len(set(names))
     seen = set()
     for name in names:
         m = _TRACE_NAME.match(name)
         assert m, name
-        runner, _, size, variant, rank = m.group(1), m.group(2), int(m.group(3)), m.group(4), m.group(5)
-        values = dict(v.split("-") for v in variant.strip("_").split("_"))
-        assert set(values) == set(axes) and rank == "0"
-        seen.add((runner, size, values["lora"], values["attn"]))
+        runner, size, rank = m.group(1), int(m.group(3)), m.group(4)
+        assert rank == "0"
+        seen.add((runner, size))
         embed, sdpa, spans = _trace_facts(out / name)
         # the traced forward ran exactly the shape the name says: size tokens (decode: size
-        # requests of one query each), under the variant span the name says
+        # requests of one query each)
         assert embed and all(dims[1] == [size] for dims in embed), (name, embed)
         if runner == "decode":
             # (the mask [B, 1, queries per request, keys] shows one query per request)
             assert sdpa and all(d[0][0] == size and d[3][:3] == [size, 1, 1] for d in sdpa), (name, sdpa)
-        assert f"graph_capture[{name[:-5]}]" in spans
-        assert f"graph_variant[lora={values['lora']},attn={values['attn']}]" in spans
-    assert seen == {(r, s, a, b) for r, s in (("decode", 8), ("prefill", 16))
-                    for a in axes["lora"] for b in axes["attn"]}
+        assert spans == [f"graph_capture[{name[:-5]}]"]
+    assert len(names) == 3 and seen == {("decode", 4), ("decode", 8), ("prefill", 16)}
 
 
 def test_profile_graph_capture_plain_names_without_axes(tmp_path):

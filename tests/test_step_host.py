@@ -7,13 +7,13 @@ import weakref
 
 import pytest
 import torch
+from attention_cases import slot_table
 from torch.overrides import TorchFunctionMode
 
 from rollout import Rollout
 from rollout.config import DEFAULT_MODEL_PATH, EngineConfig
 from rollout.core.engine_core import EngineCore
-from rollout.batch.kv_pool import SINK_SLOT, KVPool
-from rollout.core.req_to_token import ReqToTokenPool
+from rollout.batch.kv_pool import SINK_SLOT, KVPool, ReqToTokenPool
 from rollout.core.request import Req
 from rollout.batch.forward_batch import ForwardBatch
 from rollout.sampling_params import SamplingParams
@@ -21,6 +21,11 @@ from tiny_models import random_prompts as prompts
 
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
 
+
+
+def mask_built(fb: ForwardBatch) -> bool:
+    """Whether this forward holds a mask (attn_mask, or a kept segment mask of grid_mask)."""
+    return "attn_mask" in fb.__dict__ or bool(fb.__dict__.get("_kept_masks"))
 
 def reference_mask(prefix_lens, extend_lens, width):
     """[B, 1, max_extend, width] by definition: query i of request b (position prefix + i) sees key
@@ -44,16 +49,16 @@ def test_lazy_mask_matches_its_definition(seed):
     pool = KVPool(num_slots=256, num_layers=1, num_kv_heads=1, head_dim=4, dtype=torch.float32)
     slots = [torch.tensor(rng.sample(range(1, 257), p + e)) for p, e in zip(prefix, extend)]
     fb = ForwardBatch.build(input_ids=[3] * sum(extend), out_cache_loc=torch.cat([s[p:] for s, p in zip(slots, prefix)]),
-                            prefix_lens=prefix, extend_lens=extend, req_slots=slots, kv_pool=pool)
-    assert not fb.mask_built
+                            prefix_lens=prefix, extend_lens=extend, kv_indices=slot_table(slots), kv_pool=pool)
+    assert not mask_built(fb)
     width = max(p + e for p, e in zip(prefix, extend))
     ref = reference_mask(prefix, extend, width)
     lo = rng.randrange(bsz)
     hi = rng.randint(lo + 1, bsz)
     part = fb.grid_mask(lo, hi, max(extend[lo:hi]), max(p + e for p, e in zip(prefix[lo:hi], extend[lo:hi])))
-    assert not fb.mask_built     # a segment's grid is made on its own
+    assert not mask_built(fb)     # a segment's grid is made on its own
     assert torch.equal(part, ref[lo:hi, :, :part.shape[2], :part.shape[3]])
-    assert torch.equal(fb.attn_mask, ref) and fb.mask_built
+    assert torch.equal(fb.attn_mask, ref) and mask_built(fb)
 
 
 def _count_grid_masks(monkeypatch):
@@ -224,7 +229,7 @@ def test_a_decode_step_reads_the_device_once():
 
 def test_a_long_chunk_attends_in_mask_blocks(monkeypatch):
     from attention_cases import attention_case
-    from rollout.models import attention
+    from rollout.models import layers
 
     layer, q, fb, _ = attention_case([40], [100], heads=4, kv_heads=2, dim=16, seed=3)
     kv = fb.kv_pool.kv_buffers[0][fb.kv_indices[0]].double()                 # [140, 2, kvH, D]
@@ -241,12 +246,12 @@ def test_a_long_chunk_attends_in_mask_blocks(monkeypatch):
         shapes.append(tuple(out.shape))
         return out
     monkeypatch.setattr(ForwardBatch, "grid_mask", recorded)
-    monkeypatch.setattr(attention, "MASK_BLOCK_CELLS", 1000)
+    monkeypatch.setattr(layers, "MASK_BLOCK_CELLS", 1000)
     out = layer.torch_attend(q, fb)
     assert len(shapes) == 15 and max(s[2] * s[3] for s in shapes) <= 1000   # 7 query rows x 140 keys a block
-    assert not fb.mask_built
+    assert not mask_built(fb)
     torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
-    monkeypatch.setattr(attention, "MASK_BLOCK_CELLS", 1 << 24)
+    monkeypatch.setattr(layers, "MASK_BLOCK_CELLS", 1 << 24)
     shapes.clear()
     whole = layer.torch_attend(q, fb)
     assert shapes == [(1, 1, 100, 140)]
@@ -276,7 +281,7 @@ def test_a_graphed_decode_step_syncs_only_for_its_one_read():
 
 
 def test_staging_packs_host_vectors_into_one_buffer():
-    from rollout.batch.host_staging import stage
+    from rollout.batch.host_device import stage
 
     parts = [torch.arange(5), torch.tensor([7, 8]), torch.zeros(0, dtype=torch.int64), torch.tensor([9])]
     out = stage(parts, torch.device("cpu"), pack=True)
@@ -286,7 +291,7 @@ def test_staging_packs_host_vectors_into_one_buffer():
 
 
 def test_host_reads_reads_each_column_once():
-    from rollout.core.host_reads import HostReads
+    from rollout.batch.host_device import HostReads
 
     reads = HostReads()
     ids, lps, ok = reads.read([torch.tensor([3, 2**40]), torch.tensor([-0.5, float("nan")]),

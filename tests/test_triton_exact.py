@@ -12,9 +12,8 @@ import torch
 pytest.importorskip("triton")
 
 from rollout.exact import fused_experts, sum_slots  # noqa: E402
-from rollout.models.moe import SparseMoE  # noqa: E402
+from rollout.models.moe import SparseMoE, softmax_topk  # noqa: E402
 from rollout.models.moe_triton_exact import EXACT_BLOCK_M, fused_moe_exact  # noqa: E402
-from rollout.models.topk import softmax_topk  # noqa: E402
 
 # NOTE: not bitwise against the torch ops (another summation order in the GEMMs, h in fp32):
 # |diff| <= FP32_TOL * (1 + max |reference|)

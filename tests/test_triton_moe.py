@@ -9,10 +9,9 @@ import torch
 pytest.importorskip("triton")
 
 from rollout.models.ep_group import expert_range  # noqa: E402
-from rollout.models.moe import FusedExperts  # noqa: E402
+from rollout.models.moe import FusedExperts, softmax_topk  # noqa: E402
 from rollout.models.moe_align import ExpertBlocks  # noqa: E402
 from rollout.models.moe_triton import fused_moe  # noqa: E402
-from rollout.models.topk import softmax_topk  # noqa: E402
 
 # NOTE: fp32 tolerance: products accumulate in another order than torch's matmuls (a few ulps of
 # each partial sum): |diff| <= FP32_TOL * (1 + max |reference|).

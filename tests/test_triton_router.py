@@ -10,8 +10,8 @@ import torch
 
 pytest.importorskip("triton")
 
-from capture.device_buffer import RoutedExpertsBuffer  # noqa: E402
-from rollout.models.topk import softmax_topk  # noqa: E402
+from capture.capturer import RoutedExpertsBuffer  # noqa: E402
+from rollout.models.moe import softmax_topk  # noqa: E402
 from rollout.models.topk_triton import grouped_sigmoid_topk_triton, softmax_topk_triton  # noqa: E402
 
 # NOTE: fp32 weights: the kernel's exp and sum differ from torch's by a few ulps at most.

@@ -20,8 +20,6 @@ from typing import Optional, Sequence
 
 import torch
 
-from rollout.batch.attention_segment import AttentionSegment
-
 
 def _flash_for_cpu():
     return getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
@@ -63,6 +61,9 @@ class DecodeCascade:
         """groups: (shared length P, batch rows of the members) per group of 2+ requests whose KV
         slots for positions 0 .. P-1 are the same; kv_indices [B, max seq_len]. None when it
         would not pay."""
+        # NOTE: imported here: forward_batch.py builds the cascade (it imports this module)
+        from rollout.batch.forward_batch import AttentionSegment  # noqa: PLC0415
+
         groups = sorted((p, list(m)) for p, m in groups if p >= DecodeCascade.MIN_PREFIX and len(m) > 1)
         if sum((len(m) - 1) * p for p, m in groups) < DecodeCascade.MIN_SAVED_CELLS:
             return None

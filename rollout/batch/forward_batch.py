@@ -1,16 +1,112 @@
-"""ForwardBatch: everything one model forward needs (token ids, positions, KV slots, lengths)."""
+"""The batch one forward runs on, and what it returns.
+
+ScheduledBatch is one step's work as the scheduler picked it; ForwardBatch is everything one
+model forward needs (token ids, positions, KV slots, lengths), made from it (padded for the
+static-shape runners), with the AttentionSegments its requests are attended in; ForwardOutput is
+what the forward produced and which runner (with which layout) produced it.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
+from itertools import accumulate
+from operator import mul
 from typing import Any, Optional, Sequence
 
 import torch
 
-from rollout.batch.attention_segment import AttentionSegment
+from capture.capturer import GatherLayout
 from rollout.batch.decode_cascade import DecodeCascade
-from rollout.batch.host_staging import stage, to_device
+from rollout.batch.host_device import stage, to_device
 from rollout.batch.kv_pool import SINK_SLOT, KVPool
+
+
+@dataclass(frozen=True)
+class ScheduledBatch:
+    reqs: list[Any]                  # rollout.core.request.Req (the layer above)
+    extend_lens: list[int]
+    prefix_lens: list[int]
+    out_cache_loc: torch.Tensor      # [sum(extend_lens)] new slots, request-major
+    is_prefill: bool
+    kv_indices: torch.Tensor         # [B, max(prefix+extend)] int64 KV slots by position (stale past each length), on the device
+    # decode: (P, batch rows) of requests whose slots for positions 0 .. P-1 are the same (DecodeCascade)
+    prefix_groups: tuple = ()
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.extend_lens)
+
+    def completes(self, i: int) -> bool:
+        """Whether request i's forward reaches its last token (its logits pick the next token)."""
+        req = self.reqs[i]
+        return self.prefix_lens[i] + self.extend_lens[i] == req.seq_len
+
+
+@dataclass(frozen=True)
+class AttentionSegment:
+    """Requests lo .. hi-1 (tokens tok_lo .. tok_hi-1) attended as one grid of their own:
+    [hi - lo, extend] queries over [hi - lo, width] keys, instead of the batch's
+    [B, max_extend] x [B, max_seq].
+
+    One grid for a whole batch pads every request to the longest one in both directions. Two
+    batch shapes waste most of it: a decode batch with very different context lengths, and a
+    prefill step where the n samples of a GRPO prompt each compute only their last prompt token
+    (the rest is a prefix-cache hit) next to requests computing whole prompts. With requests
+    ordered by shape (the scheduler sorts decode batches by length and prefill batches by new
+    tokens), cutting the batch into runs skips those padded cells, at the price of one more
+    gather and SDPA call per layer per run.
+    """
+
+    lo: int
+    hi: int
+    tok_lo: int
+    tok_hi: int
+    extend: int                           # the run's most new tokens
+    width: int                            # the run's longest KV length
+    kv_flat: torch.Tensor                 # [(hi - lo) * width] int64 slots, request-major
+    q_pad_index: Optional[torch.Tensor]   # [tok_hi - tok_lo] flat index in the run's grid; None: no padding
+
+    # NOTE: a cut must skip at least this many padded (query, key) cells: one more gather + SDPA
+    # per layer costs about as much as ~600 cells of decode attention on CPU.
+    MIN_SAVED_CELLS = 2048
+
+    @staticmethod
+    def runs(extend_lens: Sequence[int], seq_lens: Sequence[int]) -> list[tuple[int, int]]:
+        """(lo, hi) runs covering 0 .. B-1 in order, cut greedily from the end wherever a cut
+        saves MIN_SAVED_CELLS of extend x seq_len cells; one run when no cut pays (any order is
+        correct, a sorted one cuts)."""
+        bsz = len(seq_lens)
+        pre_e, pre_s = list(accumulate(extend_lens, max)), list(accumulate(seq_lens, max))  # maxima over 0 .. j
+        cuts = [bsz]
+        hi, top_e, top_s = bsz, 0, 0
+        padded = bsz * pre_e[-1] * pre_s[-1] - sum(map(mul, extend_lens, seq_lens))
+        for j in range(bsz - 1, 0, -1) if padded >= AttentionSegment.MIN_SAVED_CELLS else ():
+            # top run j .. hi-1, bottom run 0 .. j-1, against one run 0 .. hi-1
+            top_e, top_s = max(top_e, extend_lens[j]), max(top_s, seq_lens[j])
+            saved = hi * pre_e[hi - 1] * pre_s[hi - 1] - j * pre_e[j - 1] * pre_s[j - 1] - (hi - j) * top_e * top_s
+            if saved >= AttentionSegment.MIN_SAVED_CELLS:
+                cuts.append(j)
+                hi, top_e, top_s = j, 0, 0
+        cuts.append(0)
+        return [(lo, hi) for hi, lo in reversed(list(zip(cuts, cuts[1:])))]
+
+    @staticmethod
+    def split(extend_lens: list[int], seq_lens: list[int], kv_indices: torch.Tensor,
+              device: torch.device) -> tuple["AttentionSegment", ...]:
+        """The batch's runs (see runs) as segments."""
+        starts = [0, *accumulate(extend_lens)]
+        out = []
+        for lo, hi in AttentionSegment.runs(extend_lens, seq_lens):
+            ext = max(extend_lens[lo:hi])
+            width = max(seq_lens[lo:hi])
+            q_pad_index = None
+            if any(e != ext for e in extend_lens[lo:hi]):
+                q_pad_index = to_device(torch.cat([torch.arange(e) + i * ext for i, e in enumerate(extend_lens[lo:hi])]),
+                                        device)
+            out.append(AttentionSegment(lo=lo, hi=hi, tok_lo=starts[lo], tok_hi=starts[hi], extend=ext, width=width,
+                                        kv_flat=to_device(kv_indices[lo:hi, :width].reshape(-1), device),
+                                        q_pad_index=q_pad_index))
+        return tuple(out)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -54,11 +150,6 @@ class ForwardBatch:
         graph). Only the torch paths read it (torch_attend, exact mode, MLA); the Triton and
         FlashInfer backends never do, so their steps never make it."""
         return self.grid_mask(0, self.batch_size, self.max_extend, self.kv_indices.shape[1], keep=True)
-
-    @property
-    def mask_built(self) -> bool:
-        """Whether this forward holds a mask (attn_mask or a kept segment mask)."""
-        return "attn_mask" in self.__dict__ or bool(self.__dict__.get("_kept_masks"))
 
     def grid_mask(self, lo: int, hi: int, extend: int, width: int, q_lo: int = 0, *, keep: bool = False) -> torch.Tensor:
         """attn_mask[lo:hi, :, q_lo:q_lo+extend, :width] made on its own (an AttentionSegment's
@@ -122,24 +213,18 @@ class ForwardBatch:
 
     @staticmethod
     def build(*, input_ids: list[int], out_cache_loc: torch.Tensor, prefix_lens: list[int],
-              extend_lens: list[int], kv_indices: Optional[torch.Tensor] = None,
-              req_slots: Optional[Sequence[torch.Tensor]] = None, kv_pool: KVPool,
+              extend_lens: list[int], kv_indices: torch.Tensor, kv_pool: KVPool,
               capture: Optional[Any] = None, device: torch.device | str = "cpu",
               segment_attention: bool = False, prefix_groups: Sequence = ()) -> "ForwardBatch":
-        """KV slots by position, one of: kv_indices [B, >= max seq_len] (cells past a request's
-        length are never read unmasked), or req_slots[b], request b's slots for positions
-        0 .. prefix+extend-1 (new ones included). segment_attention: attend in AttentionSegments
-        (runs of requests of similar shape; the scheduler orders batches by shape), or a decode
-        batch with prefix_groups (requests sharing the slots of a prefix) as a DecodeCascade."""
+        """kv_indices [B, >= max seq_len]: request b's KV slots by position (cells past its
+        length are never read unmasked). segment_attention: attend in AttentionSegments (runs of
+        requests of similar shape; the scheduler orders batches by shape), or a decode batch with
+        prefix_groups (requests sharing the slots of a prefix) as a DecodeCascade."""
         bsz = len(extend_lens)
         assert bsz == len(prefix_lens) and bsz > 0
         seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
         max_seq, max_ext = max(seq_lens), max(extend_lens)
-        if req_slots is not None:
-            assert kv_indices is None and len(req_slots) == bsz
-            assert all(slots.numel() == n for slots, n in zip(req_slots, seq_lens))
-            kv_indices = torch.nn.utils.rnn.pad_sequence(list(req_slots), batch_first=True, padding_value=SINK_SLOT)
-        assert kv_indices is not None and kv_indices.shape[0] == bsz and kv_indices.shape[1] >= max_seq
+        assert kv_indices.shape[0] == bsz and kv_indices.shape[1] >= max_seq
         kv_indices = kv_indices[:, :max_seq]
         dev = torch.device(device)
         seq_t = torch.tensor(seq_lens, dtype=torch.int64)
@@ -177,3 +262,68 @@ class ForwardBatch:
             prefix_groups=tuple(prefix_groups) if segment_attention and max_ext == 1 else (),
             host_seq_lens=tuple(seq_lens), host_extend_lens=tuple(extend_lens),
         )
+
+    @staticmethod
+    def from_scheduled(batch: Optional[ScheduledBatch], *, kv_pool: KVPool, device: torch.device,
+                       capture: Optional[Any] = None, pad_to: int = 0, pad_chunk: int = 1,
+                       segment_attention: bool = False) -> ForwardBatch:
+        """batch: None for an idle rank -> the batch as a ForwardBatch, padded to pad_to tokens
+        in total (0 = none).
+
+        Padding tokens form extra requests of at most `pad_chunk` tokens each (token id 0,
+        positions from 0). Their KV slots are all SINK_SLOT, so their KV writes land in the sink,
+        and their attention rows see only sink keys; no real request's row ever sees a sink column
+        (kv_indices beyond a request's length are masked). Real requests keep their order and come
+        first, so logits row b is request b."""
+        input_ids: list[int] = []
+        prefix_lens: list[int] = []
+        extend_lens: list[int] = []
+        locs: list[torch.Tensor] = []
+        if batch is not None:
+            if batch.is_prefill:
+                for req, pre, ext in zip(batch.reqs, batch.prefix_lens, batch.extend_lens):
+                    input_ids += req.token_span(pre, pre + ext)
+            else:
+                # decode: each request's last token (a prompt's own last one after a chunked prefill)
+                input_ids = [(req.output_ids or req.prompt_ids)[-1] for req in batch.reqs]
+            prefix_lens += list(batch.prefix_lens)
+            extend_lens += list(batch.extend_lens)
+            locs.append(batch.out_cache_loc)
+        real = len(extend_lens)
+        pad = pad_to - len(input_ids)
+        assert pad_to == 0 or pad >= 0, (pad_to, len(input_ids))
+        chunk = max(1, pad_chunk)
+        while pad > 0:
+            c = min(chunk, pad)
+            input_ids += [0] * c
+            prefix_lens.append(0)
+            extend_lens.append(c)
+            locs.append(torch.full((c,), SINK_SLOT, dtype=torch.int64))
+            pad -= c
+        if not extend_lens:
+            return ForwardBatch.empty(kv_pool=kv_pool, capture=capture, device=device)
+        if real == len(extend_lens):
+            kv_indices = batch.kv_indices
+        else:
+            # padding requests read and write only the sink slot
+            width = max(p + e for p, e in zip(prefix_lens, extend_lens))
+            kv_indices = torch.full((len(extend_lens), width), SINK_SLOT, dtype=torch.int64,
+                                    device=batch.kv_indices.device if real else device)
+            if real:
+                kv_indices[:real, :batch.kv_indices.shape[1]] = batch.kv_indices
+        return ForwardBatch.build(input_ids=input_ids, out_cache_loc=locs[0] if len(locs) == 1 else torch.cat(locs),
+                                  prefix_lens=prefix_lens, extend_lens=extend_lens, kv_indices=kv_indices,
+                                  kv_pool=kv_pool, capture=capture, device=device, segment_attention=segment_attention,
+                                  prefix_groups=batch.prefix_groups if real == len(extend_lens) else ())
+
+
+@dataclass(frozen=True)
+class ForwardOutput:
+    logits: torch.Tensor     # [B, vocab] fp32, one row per request (its last new token)
+    layout: GatherLayout     # the executing runner's layout; capture reads only this
+    token_logits: Optional[torch.Tensor] = None  # [N, vocab] fp32, every token's (prompt logprobs asked)
+
+    @property
+    def runner(self) -> str:
+        """The runner that executed ("eager", "decode_graph", "prefill_graph")."""
+        return self.layout.runner

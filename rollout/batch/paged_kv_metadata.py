@@ -24,7 +24,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from rollout.batch.host_staging import to_device
+from rollout.batch.host_device import to_device
 
 
 @dataclass(frozen=True)

@@ -8,11 +8,10 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import os
-import re
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from rollout.config.flag import flag, no_flag
+from rollout.config.flag import flag
 
 _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEFAULT_MODEL_PATH = os.path.join(_REPO, "configs", "tiny-moe")
@@ -42,37 +41,6 @@ def _int_tuple(name: str, value: Any, *, minimum: int = 1) -> tuple[int, ...]:
     if len(set(out)) != len(out):
         raise ValueError(f"{name} must not repeat values, got {list(out)}")
     return tuple(sorted(out))
-
-
-_AXIS_WORD = re.compile(r"^[A-Za-z0-9]+$")
-_VALUE_WORD = re.compile(r"^[A-Za-z0-9.]+$")
-
-
-def _variant_axes(value: Any) -> tuple[tuple[str, tuple[str, ...]], ...]:
-    """{name: values} or ((name, values), ...) -> normalised tuple; names/values are plain words so
-    that capture trace names (`decode_bs8_<axis>-<value>_rank0`) stay unambiguous."""
-    what = "graph_variant_axes must map axis names to non-empty lists of distinct values"
-    items = list(value.items()) if isinstance(value, dict) else value
-    if items is None or isinstance(items, (str, bytes)) or not hasattr(items, "__iter__"):
-        raise ValueError(f"{what}, got {value!r}")
-    out = []
-    for item in items:
-        if not isinstance(item, (tuple, list)) or len(item) != 2:
-            raise ValueError(f"{what}, got {value!r}")
-        name, values = item
-        if not isinstance(name, str) or not _AXIS_WORD.match(name):
-            raise ValueError(f"graph_variant_axes: axis name must be letters/digits, got {name!r}")
-        if isinstance(values, (str, bytes)) or not hasattr(values, "__iter__"):
-            raise ValueError(f"graph_variant_axes[{name!r}] must be a list of values, got {values!r}")
-        values = tuple(str(v) if isinstance(v, int) and not isinstance(v, bool) else v for v in values)
-        if not values or len(set(values)) != len(values) or not all(
-                isinstance(v, str) and _VALUE_WORD.match(v) for v in values):
-            raise ValueError(f"graph_variant_axes[{name!r}] must be distinct letters/digits/dots values, "
-                             f"got {list(values)!r}")
-        out.append((name, values))
-    if len({n for n, _ in out}) != len(out):
-        raise ValueError(f"graph_variant_axes repeats an axis name: {[n for n, _ in out]}")
-    return tuple(out)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -132,10 +100,6 @@ class EngineConfig:
         help="write one profiler trace per captured graph shape"))
     # default ./graph_capture_profile
     profile_graph_capture_dir: Optional[str] = field(default=None, metadata=flag())
-    # extra capture axes, {name: (value, ...)}: each bucket is captured once per combination
-    # (test-only today; real axes would be e.g. a LoRA or attention variant)
-    graph_variant_axes: tuple[tuple[str, tuple[str, ...]], ...] = field(default=(), metadata=no_flag(
-        "test-only: extra graph-capture axes are set from Python (tests), not from the command line"))
     seed: int = field(default=0, metadata=flag(type=int))
     weight_version: str = field(default="default", metadata=flag(help="initial weight_version label"))
     # distributed weight updates: each engine process receives the trainer's broadcasts into
@@ -184,7 +148,6 @@ class EngineConfig:
                 not isinstance(self.profile_graph_capture_dir, str) or not self.profile_graph_capture_dir):
             raise ValueError(f"profile_graph_capture_dir must be a non-empty path or None, "
                              f"got {self.profile_graph_capture_dir!r}")
-        object.__setattr__(self, "graph_variant_axes", _variant_axes(self.graph_variant_axes))
         _positive_int("seed", self.seed, minimum=0)
         _positive_int("stream_interval", self.stream_interval)
         if isinstance(self.weight_update_bucket_bytes, bool) or not isinstance(self.weight_update_bucket_bytes, int) \

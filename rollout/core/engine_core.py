@@ -19,18 +19,16 @@ from rollout.config import EngineConfig
 from rollout.core.cpu_threads import CpuThreads
 from rollout.core.engine_control import EngineControl
 from rollout.host_malloc import tune_glibc_malloc
-from rollout.core.host_reads import HostReads
-from rollout.batch.host_staging import to_device
+from rollout.batch.host_device import HostReads, to_device
 from rollout.batch.kv_pool import KVPool
 from rollout.ipc.messages import ReqUpdate, floats, ints
-from rollout.exec.model_runner import ModelRunner
+from rollout.exec.model_runner import ModelRunner, RunnerPlan
 from rollout.models.attention_backend import make_attention_backend
 from rollout.exact import make_exact
 from rollout.models.moe import FusedExperts, set_moe_backend
 from rollout.models.registry import load_model
 from rollout.core.radix_cache import RadixCache
 from rollout.exec.runners.capture_profiler import GraphCaptureProfiler
-from rollout.exec.runners.runner_plan import RunnerPlan
 from rollout.core.request import Req, ReqState
 from rollout.finish_reason import FinishReason
 from rollout.exec.sampler import sample
@@ -100,7 +98,6 @@ class EngineCore(EngineControl):
         self.runner = ModelRunner(model=self.model, kv_pool=self.kv_pool, device=self.device, limits=limits,
                                   capture_buffer=self.capturer.buffer if self.capturer else None,
                                   seq_capacity=self.context_length, ep_group=ep_group,
-                                  variant_axes=cfg.graph_variant_axes,
                                   attention_backend=make_attention_backend(
                                       cfg.resolved_attention_backend, device=self.device, model=self.model,
                                       exact=cfg.enable_deterministic_inference))

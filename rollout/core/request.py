@@ -50,7 +50,7 @@ class Req:
     output_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
     state: ReqState = ReqState.WAITING
     finish_reason: Optional[FinishReason] = None
-    kv_row: Optional[int] = None         # the request's row of the scheduler's ReqToTokenPool (admitted)
+    req_to_token_row: Optional[int] = None         # the request's row of the scheduler's ReqToTokenPool (admitted)
     kv_len: int = 0                      # positions whose KV slot is in that row (computed or this step's)
     cache_len: int = 0                   # leading slots owned by the prefix cache
     last_node: Any = None                # locked prefix-cache node

@@ -15,12 +15,11 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from rollout.batch.kv_pool import KVPool
+from rollout.batch.kv_pool import KVPool, ReqToTokenPool
 from rollout.core.radix_cache import RadixCache
-from rollout.core.req_to_token import ReqToTokenPool
 from rollout.core.request import Req, ReqState
 from rollout.core.wait_queue import WaitQueue
-from rollout.exec.scheduled_batch import ScheduledBatch
+from rollout.batch.forward_batch import ScheduledBatch
 
 
 MIN_SHARED_PREFIX = 8  # uncached tokens two new requests must share before one waits for the other
@@ -103,9 +102,9 @@ class Scheduler:
 
     def kv_slots(self, req: Req) -> torch.Tensor:
         """The request's KV slots for positions 0 .. kv_len-1 ([kv_len] int64, a copy)."""
-        if req.kv_row is None:
+        if req.req_to_token_row is None:
             return torch.empty(0, dtype=torch.int64)
-        return self.req_to_token.slots(req.kv_row, req.kv_len)
+        return self.req_to_token.slots(req.req_to_token_row, req.kv_len)
 
     def release(self, req: Req) -> None:
         n = req.kv_len
@@ -120,9 +119,9 @@ class Scheduler:
         self._drop_row(req)
 
     def _drop_row(self, req: Req) -> None:
-        if req.kv_row is not None:
-            self.req_to_token.free(req.kv_row)
-        req.kv_row = None
+        if req.req_to_token_row is not None:
+            self.req_to_token.free(req.req_to_token_row)
+        req.req_to_token_row = None
         req.kv_len = 0
         req.cache_len = 0
         req.last_node = None
@@ -141,7 +140,7 @@ class Scheduler:
         self.cache.inc_lock(node)
         self.cache.dec_lock(req.last_node)
         req.last_node = node
-        self.req_to_token.write(req.kv_row, 0, slots)
+        self.req_to_token.write(req.req_to_token_row, 0, slots)
         req.cache_len = len(tokens)
 
     # ---- scheduling --------------------------------------------------------------------------
@@ -162,8 +161,8 @@ class Scheduler:
         slots, node = self.cache.match_prefix(req.cache_key(n))
         self.cache.inc_lock(node)
         req.last_node = node
-        req.kv_row = self.req_to_token.alloc()
-        self.req_to_token.write(req.kv_row, 0, slots)
+        req.req_to_token_row = self.req_to_token.alloc()
+        self.req_to_token.write(req.req_to_token_row, 0, slots)
         req.kv_len = req.cache_len = int(slots.numel())
 
     def _unadmit(self, req: Req) -> None:
@@ -215,7 +214,7 @@ class Scheduler:
             pre.append(req.kv_len)
             ext.append(take)
             locs.append(slots)
-            self.req_to_token.write(req.kv_row, req.kv_len, slots)
+            self.req_to_token.write(req.req_to_token_row, req.kv_len, slots)
             req.kv_len += take
             budget -= take
             if is_new:
@@ -243,7 +242,7 @@ class Scheduler:
                               kv_indices=self._kv_indices(reqs, max(p + e for p, e in zip(pre, ext))))
 
     def _kv_indices(self, reqs: list[Req], width: int) -> torch.Tensor:
-        rows = torch.tensor([r.kv_row for r in reqs], dtype=torch.int64)
+        rows = torch.tensor([r.req_to_token_row for r in reqs], dtype=torch.int64)
         return self.req_to_token.gather(rows, width)
 
     def _shares_uncached_prefix(self, req: Req, scheduled: list[Req]) -> bool:
@@ -272,7 +271,7 @@ class Scheduler:
         # (ForwardBatch.segments), so that short requests do not pad to the longest.
         reqs = sorted(self.running, key=attrgetter("kv_len"))
         pre = [r.kv_len for r in reqs]
-        rows = torch.tensor([r.kv_row for r in reqs], dtype=torch.int64)
+        rows = torch.tensor([r.req_to_token_row for r in reqs], dtype=torch.int64)
         self.req_to_token.append_one(rows, torch.tensor(pre, dtype=torch.int64), slots)
         for req in reqs:
             req.kv_len += 1
@@ -313,9 +312,9 @@ class Scheduler:
         for req in self.running:
             owned.extend(self.kv_slots(req)[req.cache_len:].tolist())
         for req in self.waiting:
-            assert req.kv_len == 0 and req.last_node is None and req.kv_row is None, (
+            assert req.kv_len == 0 and req.last_node is None and req.req_to_token_row is None, (
                 f"waiting request {req.rid} holds KV")
-        self.req_to_token.check_integrity([r.kv_row for r in self.running])
+        self.req_to_token.check_integrity([r.req_to_token_row for r in self.running])
         cached = self.cache.all_slots()
         assert len(owned) == len(set(owned)), "a KV slot is owned twice"
         assert not (set(owned) & cached), "a KV slot is owned by a request and the cache"

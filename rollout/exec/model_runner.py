@@ -3,33 +3,171 @@
 Per step: this rank's batch shape is exchanged with the other DP ranks (one small all-gather), the
 RunnerPlan picks one runner and bucket from all shapes (so every rank agrees), and that runner
 executes and returns a ForwardOutput carrying the GatherLayout it used. Capture reads only that.
+
+RunnerPlan is pure: no model, no tensors. All ranks feed it the same exchanged shapes, so they all
+pick the same runner and bucket, hence the same GatherLayout. It also knows the largest gathered
+forward every runner can produce, which the engine checks against the capture buffer at startup
+(invariant 1). EagerRunner runs a batch at its own shape; the static-shape runners (decode and
+prefill buckets, CUDA graphs on GPU) live in rollout/exec/runners/.
 """
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter, deque
-from typing import Any, Optional
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
 
 import torch
 
-from capture.buffer_sizing import ForwardShapeLimits
-from capture.gather_layout import GatherLayout
-from rollout.exec.forward_output import ForwardOutput
+from capture.buffer_sizing import ForwardShapeLimits, capture_buffer_rows
+from capture.capturer import GatherLayout
+from rollout.batch.forward_batch import ForwardBatch, ForwardOutput, ScheduledBatch
 from rollout.batch.kv_pool import KVPool
-from rollout.exec.runners.capture_profiler import GraphCaptureProfiler, Variant, variant_product
+from rollout.exec.runners.capture_profiler import GraphCaptureProfiler
 from rollout.exec.runners.decode_graph_runner import DecodeGraphRunner
-from rollout.exec.runners.eager_runner import EagerRunner
 from rollout.exec.runners.graph_backend import CudaGraphBackend, GraphBackend, GraphMemoryPool
 from rollout.exec.runners.piecewise_backend import PiecewiseBackend
 from rollout.exec.runners.prefill_graph_runner import PrefillGraphRunner
-from rollout.exec.runners.runner_plan import DECODE, EAGER, PREFILL, RankShape, RunnerChoice, RunnerPlan
-from rollout.exec.scheduled_batch import ScheduledBatch
+
+DECODE = DecodeGraphRunner.name     # "decode_graph"
+PREFILL = PrefillGraphRunner.name   # "prefill_graph"
+EAGER = "eager"
+
+
+@dataclass(frozen=True)
+class RankShape:
+    """What one rank's scheduler issued for a step."""
+
+    num_tokens: int
+    batch_size: int
+    all_single: bool    # every request adds exactly one token (decode-shaped); True when idle
+
+    @staticmethod
+    def of(batch: Optional[ScheduledBatch]) -> "RankShape":
+        """batch: None for an idle rank."""
+        if batch is None:
+            return RankShape(0, 0, True)
+        return RankShape(sum(batch.extend_lens), len(batch.extend_lens), all(e == 1 for e in batch.extend_lens))
+
+    def encode(self) -> tuple[int, int, int]:
+        return self.num_tokens, self.batch_size, int(self.all_single)
+
+    @staticmethod
+    def decode(values: Sequence[int]) -> "RankShape":
+        return RankShape(int(values[0]), int(values[1]), bool(values[2]))
+
+
+@dataclass(frozen=True)
+class RunnerChoice:
+    runner: str                # DECODE | PREFILL | EAGER
+    size: Optional[int]        # the bucket: batch size (decode) or tokens (prefill); None for eager
+    extent: Optional[int]      # rows per rank in the gathered MoE input when padded; None = packed
+
+
+def _smallest_at_least(sizes: tuple[int, ...], n: int) -> Optional[int]:
+    for s in sizes:  # sorted ascending
+        if s >= n:
+            return s
+    return None
+
+
+class RunnerPlan:
+    def __init__(self, limits: ForwardShapeLimits):
+        self.limits = limits
+        self.decode_sizes = tuple(sorted(limits.decode_graph_batch_sizes))
+        self.prefill_sizes = tuple(sorted(limits.prefill_graph_token_sizes))
+
+    def choose(self, shapes: Sequence[RankShape]) -> Optional[RunnerChoice]:
+        """The runner for a step whose ranks issued `shapes` (rank order); None when no rank has tokens.
+
+        Decode buckets take steps where every rank is decode-shaped (or idle) and the largest batch
+        fits; prefill buckets take any step whose largest per-rank token count fits; eager the rest.
+        """
+        assert len(shapes) == self.limits.dp_size, (shapes, self.limits.dp_size)
+        max_tokens = max(s.num_tokens for s in shapes)
+        if max_tokens == 0:
+            return None
+        if self.decode_sizes and all(s.all_single for s in shapes):
+            size = _smallest_at_least(self.decode_sizes, max(s.batch_size for s in shapes))
+            if size is not None:
+                return RunnerChoice(DECODE, size, size)
+        size = _smallest_at_least(self.prefill_sizes, max_tokens)
+        if size is not None:
+            return RunnerChoice(PREFILL, size, size)
+        return RunnerChoice(EAGER, None, None)
+
+    @staticmethod
+    def layout(choice: RunnerChoice, shapes: Sequence[RankShape]) -> GatherLayout:
+        counts = tuple(s.num_tokens for s in shapes)
+        if choice.extent is None:
+            return GatherLayout.packed(choice.runner, counts)
+        return GatherLayout.padded(choice.runner, counts, extent=choice.extent)
+
+    def max_gathered_rows(self) -> dict[str, int]:
+        """The most rows each runner can put in the gathered MoE input (all ranks together)."""
+        lim = self.limits
+        rows = {EAGER: lim.dp_size * max(lim.chunked_prefill_tokens, lim.max_running_requests)}
+        if self.decode_sizes:
+            rows[DECODE] = lim.dp_size * self.decode_sizes[-1]
+        if self.prefill_sizes:
+            rows[PREFILL] = lim.dp_size * self.prefill_sizes[-1]
+        return rows
+
+    def check_capture_fits(self, buffer_rows: int, max_rows: Optional[int] = None) -> None:
+        """Startup check (invariant 1): every forward any runner can issue fits the capture buffer,
+        and the buffer fits max_rows when one is configured. ValueError naming the values if not."""
+        need = self.max_gathered_rows()
+        worst = max(need.values())
+        sized = capture_buffer_rows(self.limits)
+        if worst > buffer_rows or (max_rows is not None and sized > max_rows):
+            lim = self.limits
+            detail = ", ".join(f"{k} {v}" for k, v in sorted(need.items()))
+            limit = (f"the capture buffer has {buffer_rows} rows" if worst > buffer_rows
+                     else f"max_capture_buffer_rows={max_rows}")
+            raise ValueError(
+                f"routed-expert capture buffer cannot hold every forward this config can issue: "
+                f"it needs {max(worst, sized)} rows = dp_size={lim.dp_size} x max(decode_graph_batch_sizes max "
+                f"{max(self.decode_sizes, default=0)}, "
+                f"prefill_graph_token_sizes max {max(self.prefill_sizes, default=0)}, chunked prefill tokens "
+                f"per rank {lim.chunked_prefill_tokens} (chunked_prefill_size), max_running_requests="
+                f"{lim.max_running_requests}) [gathered rows per runner: {detail}], "
+                f"but {limit}; lower one of these values or raise max_capture_buffer_rows")
+
+
+class EagerRunner:
+    name = EAGER
+
+    def __init__(self, *, model: torch.nn.Module, kv_pool: KVPool, device: torch.device,
+                 capture_buffer: Optional[Any] = None, ep_group: Optional[Any] = None,
+                 attention: Optional[Any] = None):
+        self.model = model
+        self.attention = attention
+        self.kv_pool = kv_pool
+        self.device = device
+        self.capture_buffer = capture_buffer
+        self.ep_group = ep_group
+
+    def forward(self, batch: Optional[ScheduledBatch], counts: tuple[int, ...],
+                choice: Optional[RunnerChoice] = None, all_logits: bool = False) -> ForwardOutput:
+        """batch: this rank's ScheduledBatch, or None (idle: an empty forward that joins the collectives).
+        all_logits: also return every token's logits (token rows request-major, no padding)."""
+        layout = GatherLayout.packed(self.name, counts)
+        fb = ForwardBatch.from_scheduled(batch, kv_pool=self.kv_pool, device=self.device,
+                                         capture=self.capture_buffer, segment_attention=True)
+        fb = dataclasses.replace(fb, layout=layout, ep_group=self.ep_group)
+        if self.attention is not None:
+            fb = self.attention.bind(fb, static=False)
+        if all_logits:
+            full = self.model(fb, return_all_logits=True).float()               # [N, vocab]
+            return ForwardOutput(logits=full[fb.logits_indices], layout=layout, token_logits=full)
+        logits = self.model(fb)
+        return ForwardOutput(logits=logits.float(), layout=layout)
 
 
 class ModelRunner:
     def __init__(self, *, model: torch.nn.Module, kv_pool: KVPool, device: torch.device,
                  limits: Optional[ForwardShapeLimits] = None, capture_buffer: Optional[Any] = None,
                  seq_capacity: Optional[int] = None, ep_group: Optional[Any] = None,
-                 variant_axes: tuple[tuple[str, tuple[str, ...]], ...] = (),
                  use_cuda_graphs: Optional[bool] = None, static_grid: Optional[bool] = None,
                  attention_backend: Optional[Any] = None):
         """limits: the same ForwardShapeLimits the capture buffer is sized from (None: eager only).
@@ -64,27 +202,24 @@ class ModelRunner:
             backend = CudaGraphBackend(model, self.graph_pool) if use_cuda_graphs else GraphBackend(model)
             self.runners[DECODE] = DecodeGraphRunner(
                 sizes=limits.decode_graph_batch_sizes, backend=backend, dp_size=limits.dp_size,
-                tokens_per_step=limits.tokens_per_decode_step,
                 seq_capacity=seq_capacity if static_grid else None, **common)
         if limits.prefill_graph_token_sizes:
             backend = PiecewiseBackend(model, max_tokens=max(limits.prefill_graph_token_sizes), device=device,
                                        use_graphs=use_cuda_graphs, pool=self.graph_pool)
             self.runners[PREFILL] = PrefillGraphRunner(
                 sizes=limits.prefill_graph_token_sizes, backend=backend, dp_size=limits.dp_size, **common)
-        self.variants: list[Variant] = variant_product(variant_axes)
         self.counts: Counter = Counter()
         self.recent_layouts: deque[GatherLayout] = deque(maxlen=512)
 
     def capture(self, profiler: Optional[GraphCaptureProfiler] = None) -> None:
-        """Captures every static runner's buckets (x every variant): CUDA graphs on GPU; on CPU only
+        """Captures every static runner's buckets: CUDA graphs on GPU; on CPU only
         with a profiler (then each capture is a warm-up forward of that bucket's static buffers)."""
         profiler = profiler or GraphCaptureProfiler(None)
         # NOTE: prefill buckets (hundreds of tokens) first: smaller graphs reuse their pool memory
         for name in (PREFILL, DECODE):
             runner = self.runners.get(name)
             if runner is not None and (runner.backend.uses_graphs or profiler.enabled):
-                runner.capture(profiler, self.variants, self.dp_rank)
-                runner.active_variant = self.variants[0]
+                runner.capture(profiler, self.dp_rank)
 
     def report(self) -> dict:
         """Per static runner: whether it replays CUDA graphs, how many it captured per key, forwards run."""

@@ -14,7 +14,7 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
-from rollout.batch.host_staging import to_device
+from rollout.batch.host_device import to_device
 from rollout.sampling_params import SamplingParams
 
 # splitmix64 (Steele, Lea, Flood 2014) constants; numpy's uint64 arithmetic wraps like the original.
@@ -97,24 +97,23 @@ def _truncate(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
     return torch.empty_like(scaled).scatter_(1, order, masked_sorted)
 
 
-def sample(logits: torch.Tensor, params: Sequence[SamplingParams], seeds: Sequence[int],
-           positions: Sequence[int], output_ids: Sequence[Sequence[int]],
-           banned_ids: Optional[Sequence[Sequence[int]]], top_logprobs_num: Sequence[int]) -> SampleResult:
-    """logits: [B, V] fp32. banned_ids[b]: tokens masked for row b (eos/stop before min_new_tokens);
-    None when no row bans any."""
-    logits = logits.float()
-    bsz, vocab = logits.shape
-    dev = logits.device   # NOTE: every tensor made here goes there (the noise is hashed on the host), staged
+def _ban(logits: torch.Tensor, banned_ids: Sequence[Sequence[int]]) -> torch.Tensor:
+    """logits with banned_ids[b] masked to -inf in row b."""
+    dev = logits.device
+    rows = [i for i, ids in enumerate(banned_ids) for _ in ids]
+    cols = [t for ids in banned_ids for t in ids]
+    return logits.clone().index_put_((to_device(torch.tensor(rows, dtype=torch.int64), dev),
+                                      to_device(torch.tensor(cols, dtype=torch.int64), dev)),
+                                     torch.full((), float("-inf"), dtype=logits.dtype, device=dev))
+
+
+def _process(logits: torch.Tensor, params: Sequence[SamplingParams],
+             uniform: bool) -> tuple[list[bool], torch.Tensor, torch.Tensor, set[str]]:
+    """-> (greedy rows, logits over temperature, those truncated by top-k / top-p / min-p, the
+    rows' logprob modes). uniform: every row has params[0]'s sampler key."""
+    bsz = logits.shape[0]
+    dev = logits.device
     first = params[0]
-    uniform = all(map(first.sampler_key.__eq__, map(_SAMPLER_KEY, params)))  # the usual RL batch
-    if not uniform or first.has_penalty:
-        logits = _apply_penalties(logits, params, output_ids)
-    if banned_ids is not None and any(banned_ids):
-        rows = [i for i, ids in enumerate(banned_ids) for _ in ids]
-        cols = [t for ids in banned_ids for t in ids]
-        logits = logits.clone().index_put_((to_device(torch.tensor(rows, dtype=torch.int64), dev),
-                                            to_device(torch.tensor(cols, dtype=torch.int64), dev)),
-                                           torch.full((), float("-inf"), dtype=logits.dtype, device=dev))
     if uniform:
         is_greedy = [first.is_greedy] * bsz
         temp = first.sampler_key[1]
@@ -127,16 +126,32 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams], seeds: Sequen
         scaled = logits / to_device(torch.tensor(temps, dtype=torch.float32), dev)[:, None]
         needs_trunc = [(not g) and (p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0) for p, g in zip(params, is_greedy)]
         modes = {p.logprob_mode for p in params}
-    if needs_trunc[0] if uniform else any(needs_trunc):
-        top_k = to_device(torch.tensor([p.top_k if t else -1 for p, t in zip(params, needs_trunc)],
-                                       dtype=torch.int64), dev)
-        top_p = to_device(torch.tensor([p.top_p if t else 1.0 for p, t in zip(params, needs_trunc)],
-                                       dtype=torch.float32), dev)
-        min_p = to_device(torch.tensor([p.min_p if t else 0.0 for p, t in zip(params, needs_trunc)],
-                                       dtype=torch.float32), dev)
-        processed = _truncate(scaled, top_k, top_p, min_p)
-    else:
-        processed = scaled
+    if not (needs_trunc[0] if uniform else any(needs_trunc)):
+        return is_greedy, scaled, scaled, modes
+    top_k = to_device(torch.tensor([p.top_k if t else -1 for p, t in zip(params, needs_trunc)],
+                                   dtype=torch.int64), dev)
+    top_p = to_device(torch.tensor([p.top_p if t else 1.0 for p, t in zip(params, needs_trunc)],
+                                   dtype=torch.float32), dev)
+    min_p = to_device(torch.tensor([p.min_p if t else 0.0 for p, t in zip(params, needs_trunc)],
+                                   dtype=torch.float32), dev)
+    return is_greedy, scaled, _truncate(scaled, top_k, top_p, min_p), modes
+
+
+def sample(logits: torch.Tensor, params: Sequence[SamplingParams], seeds: Sequence[int],
+           positions: Sequence[int], output_ids: Sequence[Sequence[int]],
+           banned_ids: Optional[Sequence[Sequence[int]]], top_logprobs_num: Sequence[int]) -> SampleResult:
+    """logits: [B, V] fp32. banned_ids[b]: tokens masked for row b (eos/stop before min_new_tokens);
+    None when no row bans any."""
+    logits = logits.float()
+    vocab = logits.shape[1]
+    dev = logits.device   # NOTE: every tensor made here goes there (the noise is hashed on the host), staged
+    first = params[0]
+    uniform = all(map(first.sampler_key.__eq__, map(_SAMPLER_KEY, params)))  # the usual RL batch
+    if not uniform or first.has_penalty:
+        logits = _apply_penalties(logits, params, output_ids)
+    if banned_ids is not None and any(banned_ids):
+        logits = _ban(logits, banned_ids)
+    is_greedy, scaled, processed, modes = _process(logits, params, uniform)
     processed_lp = torch.log_softmax(processed, dim=-1)
     if all(is_greedy):
         next_ids = torch.argmax(logits, dim=-1)

@@ -14,7 +14,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
 import torch
 
-from capture.gather_layout import GatherLayout
+from capture.capturer import GatherLayout
 from rollout.config import EngineConfig
 from rollout.frontend.async_generation import AsyncGeneration
 from rollout.frontend.async_inbox import AsyncInbox

@@ -13,7 +13,7 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from capture.gather_layout import GatherLayout
+from capture.capturer import GatherLayout
 
 # NOTE: torch >= 2.10 names the single-tensor collectives *_single; older ones *_tensor.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

@@ -50,11 +50,3 @@ def merge_attention_states(out_part: torch.Tensor, lse_part: torch.Tensor, out: 
         NUM_HEADS=heads, NUM_PARTS=parts, HEAD_DIM=dim, BLOCK_H=block_h, BLOCK_P=triton.next_power_of_2(parts),
         BLOCK_D=triton.next_power_of_2(dim))
     return out
-
-
-def merge_attention_states_torch(out_part: torch.Tensor, lse_part: torch.Tensor) -> torch.Tensor:
-    """The torch reference of merge_attention_states: [B, H, P, D], [B, H, P] -> fp32 [B, H, D]."""
-    top = lse_part.amax(-1, keepdim=True)
-    top = torch.where(torch.isinf(top), torch.zeros_like(top), top)
-    w = torch.exp(lse_part - top)
-    return (out_part * w[..., None]).sum(-2) / w.sum(-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)

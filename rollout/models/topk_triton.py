@@ -1,6 +1,7 @@
 """Router kernel (Triton): router logits -> (top-k weights, top-k expert ids), one launch per layer.
 
-The same rules as rollout/models/topk.py, which stays the reference:
+The same rules as softmax_topk (rollout/models/moe.py) and grouped_sigmoid_topk (sigmoid_moe.py), which
+stay the reference:
 - softmax_topk_triton: fp32 softmax -> top-k -> optional renormalisation (Qwen2/3-MoE, Mixtral, OLMoE);
 - grouped_sigmoid_topk_triton: DeepSeek-V3's rule, a variant of the same kernel: sigmoid scores, the
   choice made on scores + e_score_correction_bias within the topk_group best of n_group groups (a

@@ -1,14 +1,12 @@
 """GraphCaptureProfiler: one torch.profiler trace per captured shape, named by its CaptureTag.
 
 The tag is built in the capture loop right before each capture from the loop's own variables
-(runner, bucket size, every variant axis value, DP rank), never from a counter into a list, so
-extra axes cannot overrun or mislabel anything: `decode_bs8_rank0`, `prefill_tokens64_rank1`,
-`decode_bs8_lora-a_attn-x_rank0`.
+(runner, bucket size, DP rank), never from a counter into a list: `decode_bs8_rank0`,
+`prefill_tokens64_rank1`.
 """
 from __future__ import annotations
 
 import contextlib
-import itertools
 import os
 from dataclasses import dataclass
 from typing import Iterator, Optional
@@ -16,29 +14,16 @@ from typing import Iterator, Optional
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-Variant = tuple[tuple[str, str], ...]   # ((axis, value), ...) in config order
-
-
-def variant_product(axes: tuple[tuple[str, tuple[str, ...]], ...]) -> list[Variant]:
-    """Every combination of the variant axes' values; [()] when there are no axes."""
-    names = [name for name, _ in axes]
-    return [tuple(zip(names, values)) for values in itertools.product(*(vals for _, vals in axes))]
-
-
 @dataclass(frozen=True)
 class CaptureTag:
     runner: str        # "decode" | "prefill"
     size_label: str    # "bs" | "tokens"
     size: int
-    variant: Variant
     rank: int
 
     @property
     def name(self) -> str:
-        parts = [f"{self.runner}_{self.size_label}{self.size}"]
-        parts += [f"{axis}-{value}" for axis, value in self.variant]
-        parts.append(f"rank{self.rank}")
-        return "_".join(parts)
+        return f"{self.runner}_{self.size_label}{self.size}_rank{self.rank}"
 
 
 class GraphCaptureProfiler:

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from rollout.exec.runners.runner_plan import DECODE
 from rollout.exec.runners.static_inputs import StaticInputs
 from rollout.exec.runners.static_shape_runner import StaticShapeRunner
 
@@ -18,7 +17,7 @@ class DecodeGraphRunner(StaticShapeRunner):
     and time limit of this runner, until a paged attention kernel replaces the gather.
     """
 
-    name = DECODE
+    name = "decode_graph"
     tag_runner = "decode"
     size_label = "bs"
 
@@ -27,11 +26,11 @@ class DecodeGraphRunner(StaticShapeRunner):
         super().__init__(**kw)
 
     def extent(self, size: int) -> int:
-        return size * self.tokens_per_step
+        return size
 
     def make_inputs(self, size: int) -> StaticInputs:
         return StaticInputs(tokens=self.extent(size), requests=size, seq_capacity=self.seq_capacity,
                             device=self.device)
 
     def pad_chunk(self, batch: Optional[Any]) -> int:
-        return self.tokens_per_step
+        return 1

@@ -9,13 +9,8 @@ import dataclasses
 from typing import Any, Hashable
 
 import torch
-from torch.profiler import record_function
 
 from rollout.batch.forward_batch import ForwardBatch
-
-
-def variant_label(variant: tuple[tuple[str, str], ...]) -> str:
-    return ",".join(f"{axis}={value}" for axis, value in variant)
 
 
 class GraphMemoryPool:
@@ -39,9 +34,8 @@ class GraphBackend:
         self.model = model
 
     @torch.inference_mode()
-    def capture(self, key: Hashable, fb: ForwardBatch, variant: tuple[tuple[str, str], ...] = ()) -> None:
-        with record_function(f"graph_variant[{variant_label(variant)}]"):
-            self.model(fb)
+    def capture(self, key: Hashable, fb: ForwardBatch) -> None:
+        self.model(fb)
 
     def run(self, key: Hashable, fb: ForwardBatch) -> torch.Tensor:
         return self.model(fb)
@@ -60,22 +54,21 @@ class CudaGraphBackend(GraphBackend):
         self.graphs: dict[Hashable, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
     @torch.inference_mode()
-    def capture(self, key: Hashable, fb: ForwardBatch, variant: tuple[tuple[str, str], ...] = ()) -> None:
+    def capture(self, key: Hashable, fb: ForwardBatch) -> None:
         assert key not in self.graphs, key
         # NOTE: no host syncs inside a graph: the MoE takes a sync-free path (FusedExperts.choose_impl).
         # NOTE: a fresh ForwardBatch per call: what it makes lazily (attn_mask) must be made inside
         # the graph, from the static buffers, not cached from a warm-up run outside it.
-        with record_function(f"graph_variant[{variant_label(variant)}]"):
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                for _ in range(self.WARMUP_RUNS):
-                    self.model(dataclasses.replace(fb, graph_safe=True))
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool.handle):
-                out = self.model(dataclasses.replace(fb, graph_safe=True))
-            self.pool.adopt(graph)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(self.WARMUP_RUNS):
+                self.model(dataclasses.replace(fb, graph_safe=True))
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool.handle):
+            out = self.model(dataclasses.replace(fb, graph_safe=True))
+        self.pool.adopt(graph)
         self.graphs[key] = (graph, out)
 
     def run(self, key: Hashable, fb: ForwardBatch) -> torch.Tensor:

@@ -23,10 +23,9 @@ import dataclasses
 from typing import Callable, Hashable, Optional
 
 import torch
-from torch.profiler import record_function
 
 from rollout.batch.forward_batch import ForwardBatch
-from rollout.exec.runners.graph_backend import GraphMemoryPool, variant_label
+from rollout.exec.runners.graph_backend import GraphMemoryPool
 
 
 class PiecewiseBackend:
@@ -94,28 +93,27 @@ class PiecewiseBackend:
         return self.model.logits(self.x[:fb.num_tokens][fb.logits_indices])
 
     @torch.inference_mode()
-    def capture(self, key: Hashable, fb: ForwardBatch, variant: tuple[tuple[str, str], ...] = ()) -> None:
-        with record_function(f"graph_variant[{variant_label(variant)}]"):
-            if not self.uses_graphs:
-                self._execute(self.pieces(fb), fb)  # a warm-up forward over the static buffers
-                return
-            assert key not in self.graphs, key
-            # NOTE: no host syncs inside a graph: the MoE takes a sync-free path (FusedExperts.choose_impl).
-            fb = dataclasses.replace(fb, graph_safe=True)
-            pieces = self.pieces(fb)
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                for _ in range(self.WARMUP_RUNS):
-                    self._execute(pieces, fb)
-            torch.cuda.current_stream().wait_stream(stream)
-            graphs = []
-            for piece in pieces:  # nothing runs while capturing: the attention cores are not needed
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self.pool.handle):
-                    piece()
-                self.pool.adopt(graph)
-                graphs.append(graph)
+    def capture(self, key: Hashable, fb: ForwardBatch) -> None:
+        if not self.uses_graphs:
+            self._execute(self.pieces(fb), fb)  # a warm-up forward over the static buffers
+            return
+        assert key not in self.graphs, key
+        # NOTE: no host syncs inside a graph: the MoE takes a sync-free path (FusedExperts.choose_impl).
+        fb = dataclasses.replace(fb, graph_safe=True)
+        pieces = self.pieces(fb)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(self.WARMUP_RUNS):
+                self._execute(pieces, fb)
+        torch.cuda.current_stream().wait_stream(stream)
+        graphs = []
+        for piece in pieces:  # nothing runs while capturing: the attention cores are not needed
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool.handle):
+                piece()
+            self.pool.adopt(graph)
+            graphs.append(graph)
         self.graphs[key] = graphs
 
     def run(self, key: Hashable, fb: ForwardBatch) -> torch.Tensor:

@@ -9,13 +9,12 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from rollout.exec.runners.runner_plan import PREFILL
 from rollout.exec.runners.static_inputs import StaticInputs
 from rollout.exec.runners.static_shape_runner import StaticShapeRunner
 
 
 class PrefillGraphRunner(StaticShapeRunner):
-    name = PREFILL
+    name = "prefill_graph"
     tag_runner = "prefill"
     size_label = "tokens"
 

@@ -10,19 +10,19 @@ extent known".
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
-from capture.gather_layout import GatherLayout
-from rollout.batch.forward_batch import ForwardBatch
-from rollout.exec.forward_output import ForwardOutput
+from capture.capturer import GatherLayout
+from rollout.batch.forward_batch import ForwardBatch, ForwardOutput
 from rollout.batch.kv_pool import KVPool
-from rollout.exec.runners.capture_profiler import CaptureTag, GraphCaptureProfiler, Variant
+from rollout.exec.runners.capture_profiler import CaptureTag, GraphCaptureProfiler
 from rollout.exec.runners.graph_backend import GraphBackend
-from rollout.exec.runners.padded_batch import padded_forward_batch
-from rollout.exec.runners.runner_plan import RunnerChoice
 from rollout.exec.runners.static_inputs import StaticInputs
+
+if TYPE_CHECKING:
+    from rollout.exec.model_runner import RunnerChoice
 
 
 class StaticShapeRunner:
@@ -32,7 +32,7 @@ class StaticShapeRunner:
 
     def __init__(self, *, sizes: tuple[int, ...], model: torch.nn.Module, kv_pool: KVPool, device: torch.device,
                  backend: GraphBackend, dp_size: int = 1, capture_buffer: Optional[Any] = None,
-                 ep_group: Optional[Any] = None, tokens_per_step: int = 1, attention: Optional[Any] = None):
+                 ep_group: Optional[Any] = None, attention: Optional[Any] = None):
         assert sizes, "a static-shape runner needs at least one bucket"
         self.sizes = tuple(sorted(sizes))
         self.model = model
@@ -42,10 +42,8 @@ class StaticShapeRunner:
         self.dp_size = dp_size
         self.capture_buffer = capture_buffer
         self.ep_group = ep_group
-        self.tokens_per_step = tokens_per_step
         self.attention = attention
         self.inputs = {size: self.make_inputs(size) for size in self.sizes}
-        self.active_variant: Variant = ()
 
     # ---- per-runner shape rules ---------------------------------------------------------------
     def extent(self, size: int) -> int:
@@ -61,8 +59,8 @@ class StaticShapeRunner:
 
     # ---- execution ---------------------------------------------------------------------------
     def _batch(self, batch: Optional[Any], size: int, layout: GatherLayout) -> ForwardBatch:
-        fb = padded_forward_batch(batch, kv_pool=self.kv_pool, device=self.device, capture=self.capture_buffer,
-                                  pad_to=self.extent(size), pad_chunk=self.pad_chunk(batch))
+        fb = ForwardBatch.from_scheduled(batch, kv_pool=self.kv_pool, device=self.device, capture=self.capture_buffer,
+                                         pad_to=self.extent(size), pad_chunk=self.pad_chunk(batch))
         fb = self.inputs[size].load(fb)
         fb = dataclasses.replace(fb, layout=layout, ep_group=self.ep_group)
         # NOTE: bound after the load, so a backend sees (and a graph reads) only the static buffers
@@ -74,19 +72,18 @@ class StaticShapeRunner:
         assert choice.extent == extent, (choice, extent)
         layout = GatherLayout.padded(self.name, counts, extent=extent)
         fb = self._batch(batch, choice.size, layout)
-        logits = self.backend.run((choice.size, self.active_variant), fb)
+        logits = self.backend.run(choice.size, fb)
         num = len(batch.reqs) if batch is not None else 0
         logits = logits[:num].float()
         if self.backend.uses_graphs:
             logits = logits.clone()  # NOTE: the graph's output buffer is overwritten by the next replay
         return ForwardOutput(logits=logits, layout=layout)
 
-    def capture(self, profiler: GraphCaptureProfiler, variants: list[Variant], rank: int) -> None:
-        """Captures every (bucket, variant), largest bucket first; one profiler trace per capture."""
+    def capture(self, profiler: GraphCaptureProfiler, rank: int) -> None:
+        """Captures every bucket, largest first; one profiler trace per capture."""
         for size in sorted(self.sizes, reverse=True):
-            for variant in variants:
-                layout = GatherLayout.padded(self.name, (0,) * self.dp_size, extent=self.extent(size))
-                fb = self._batch(None, size, layout)
-                tag = CaptureTag(self.tag_runner, self.size_label, size, variant, rank)
-                with profiler.capturing(tag):
-                    self.backend.capture((size, variant), fb, variant)
+            layout = GatherLayout.padded(self.name, (0,) * self.dp_size, extent=self.extent(size))
+            fb = self._batch(None, size, layout)
+            tag = CaptureTag(self.tag_runner, self.size_label, size, rank)
+            with profiler.capturing(tag):
+                self.backend.capture(size, fb)
