@@ -105,6 +105,8 @@ class Req:
 
 
 class WaitQueue:
+    """The scheduler's queue of waiting requests, with O(1) removal of any member (module doc)."""
+
     def __init__(self) -> None:
         self._front: dict[Req, None] = {}   # pushed to the front; iterated newest first
         self._back: dict[Req, None] = {}    # appended; iterated oldest first
