@@ -110,6 +110,22 @@ class SamplingParams:
             _check_number("stop_token_ids", t, 0, 2**31 - 1, integer=True)
         object.__setattr__(self, "stop_token_ids", tuple(ids))
         object.__setattr__(self, "stop_regex", _check_stop_regex(self.stop_regex))
+        self._derive()
+
+    @classmethod
+    def trusted(cls, fields: Mapping[str, Any]) -> "SamplingParams":
+        """Builds from the fields of a SamplingParams already checked (the engine decoding a request
+        the front end built): the same value as SamplingParams(**fields), without checking it again."""
+        obj = object.__new__(cls)
+        for f in dataclasses.fields(cls):
+            value = fields.get(f.name, f.default)
+            if f.name in ("stop", "stop_token_ids", "stop_regex"):
+                value = tuple(value)   # NOTE: msgpack decodes tuples as lists
+            object.__setattr__(obj, f.name, value)
+        obj._derive()
+        return obj
+
+    def _derive(self) -> None:
         # NOTE: not a field: the compiled stop_regex patterns (checked after each token)
         object.__setattr__(self, "stop_patterns", tuple(compile_stop_pattern(r) for r in self.stop_regex))
         # NOTE: not a field (no effect on ==, hash or replace): what the sampler does with this row,

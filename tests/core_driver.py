@@ -13,7 +13,7 @@ class CoreDriver:
         self.core = core
         info = core.info
         self.routing = RoutingShape(info.num_hidden_layers, info.top_k, info.num_experts,
-                                    tuple(info.moe_layer_ids)) if core.capture_enabled else None
+                                    tuple(info.moe_layer_ids)) if core.capturer is not None else None
         self.states: dict[int, RequestState] = {}
         self.outputs: dict[str, RolloutOutput] = {}
         self.items: list = []      # everything delivered, in order (outputs, or chunks when streamed)

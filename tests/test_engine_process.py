@@ -45,6 +45,50 @@ def test_messages_round_trip_as_msgpack_with_raw_arrays():
     assert back == out and np.array_equal(np.frombuffer(back.updates[0].routing, np.int16).reshape(2, 3, 4), rows)
 
 
+def test_engine_builds_the_front_ends_sampling_params_without_checking_them_again():
+    """req_from_spec trusts a decoded ReqSpec: SamplingParams.trusted gives SamplingParams(**fields)
+    (the same value, sequences as tuples, the sampler's key), and no check runs on it."""
+    import dataclasses
+
+    from rollout.core.engine_proc import req_from_spec
+    from rollout.sampling_params import SamplingParams
+
+    codec = Codec()
+    cases = [SamplingParams(), SamplingParams(temperature=0.0, max_new_tokens=3, stop_token_ids=[5, 9]),
+             SamplingParams(temperature=0.7, top_p=0.9, top_k=20, min_p=0.05, min_new_tokens=2, sampling_seed=11,
+                            repetition_penalty=1.1, logprob_mode="processed", ignore_eos=True),
+             SamplingParams(stop_regex=[r"\d+"], stream_interval=4, presence_penalty=0.5)]
+    for ref in cases:
+        fields = {f.name: getattr(ref, f.name) for f in dataclasses.fields(ref)}
+        spec = ReqSpec(uid=1, rid="a", prompt_ids=ints([1, 2]), params=fields, seed=0, return_logprob=False,
+                       top_logprobs_num=0, return_routed_experts=False, routed_experts_start_len=0,
+                       emit_interval=0, max_total_len=64)
+        got = req_from_spec(codec.to_engine.decode(codec.encoder.encode(AddReqs([spec]))).reqs[0]).params
+        assert got == ref and got.sampler_key == ref.sampler_key and got.stop_patterns == ref.stop_patterns
+        assert all(type(getattr(got, n)) is tuple for n in ("stop", "stop_token_ids", "stop_regex"))
+    # NOTE: no validation: an out-of-range value the front end would have refused passes through
+    assert SamplingParams.trusted({"temperature": 500.0}).temperature == 500.0
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=500.0)
+
+
+def test_every_control_call_names_an_engine_core_method():
+    """The one allow-list: each name in CALLS is an EngineCore method, and every call the front end
+    sends is in it."""
+    import re
+
+    from rollout.core.engine_core import EngineCore
+    from rollout.core.engine_proc import CALLS, COLLECTIVE
+
+    assert COLLECTIVE <= CALLS
+    for name in CALLS:
+        assert callable(getattr(EngineCore, name, None)) and not isinstance(
+            getattr(EngineCore, name), property), name
+    sent = {m for f in (ROOT / "rollout" / "frontend").glob("*.py")
+            for m in re.findall(r'_call\("([a-z_]+)"', f.read_text())}
+    assert sent and sent <= CALLS, sorted(sent - CALLS)
+
+
 def test_engine_killed_mid_load_fails_every_waiter_within_5s(tiny_checkpoint):
     engine = make_engine(tiny_checkpoint("qwen3_moe"))
     (pid,) = engine.engine_pids()

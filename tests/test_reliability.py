@@ -14,7 +14,8 @@ from core_driver import CoreDriver
 from reliability_server import (ADMIN_KEY, GREEDY, admin, assert_idle_and_clean, check_routing,  # noqa: F401
                                 generate_all, health_probe, prompts, server, shape)
 from rollout.config import DEFAULT_MODEL_PATH, EngineConfig
-from rollout.core.engine_core import ABORT_BEFORE_PREFILL, EngineCore
+from rollout.core.engine_core import EngineCore
+from rollout.core.output_processor import ABORT_BEFORE_PREFILL
 from rollout.core.request import Req
 from rollout.sampling_params import SamplingParams
 

@@ -23,7 +23,7 @@ from rollout.models import load_model
 from rollout.models.moe import FusedExperts
 from rollout.exec.runners.piecewise_backend import PiecewiseBackend
 from rollout.core.radix_cache import RadixCache
-from rollout.core.request import Req, ReqState
+from rollout.core.request import Req, ReqStatus
 from rollout.sampling_params import SamplingParams
 from rollout.core.scheduler import Scheduler
 from tiny_models import make_engine, random_prompts as prompts
@@ -72,7 +72,7 @@ def test_static_runners_match_eager_and_pad_only_into_sink(tiny_checkpoint):
             k = core.kv_pool.k_buffers[0]
             assert SINK_SLOT not in core.cache.all_slots()     # the sink is never handed out
             return (k[high + 1:].abs().sum().item(), k[SINK_SLOT].abs().sum().item(),
-                    [(lay.runner, lay.padded_extent) for lay in core.recent_layouts()])
+                    [(runner, extent) for runner, _, extent in core.recent_layouts()])
 
         untouched, sink, layouts = engine.debug(kv_outside_allocated)
     assert_same_outputs(outs, ref)
@@ -296,7 +296,7 @@ def _scheduler_shapes(limits: ForwardShapeLimits, seed: int, num_slots: int, n_r
                 req.output_ids.append(rng.randrange(3, 50))
                 if len(req.output_ids) >= req.params.max_new_tokens:
                     sched.remove(req)
-                    req.state = ReqState.FINISHED
+                    req.status = ReqStatus.FINISHED
     sched.check_integrity()
     return shapes
 

@@ -1,2 +1,2 @@
 """The engine process: EngineCore (scheduler, KV pool, prefix cache, capture), its loop and the
-commands it answers."""
+control calls it answers."""

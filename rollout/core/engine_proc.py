@@ -1,9 +1,15 @@
-"""engine_main: the entry point of an engine process (one per DP rank).
+"""The engine process (one per DP rank): its entry point, engine_main, and its loop, EngineLoop.
 
-Builds the EngineCore here (the model is loaded in this process), says Ready, then runs the
-EngineLoop until Shutdown, the front end's death, or an error. An error is reported as Fatal
+engine_main builds the EngineCore (the model is loaded in this process), says Ready, then runs
+the EngineLoop until Shutdown, the front end's death, or an error. An error is reported as Fatal
 (with its traceback) before the process exits non-zero; under DP, a rank whose peer died first
 aborts its own requests so their partial outputs reach the front end.
+
+EngineLoop drains the inbox between steps, steps the EngineCore, sends one StepOut per step. It
+never waits on the front end: it blocks only while it has nothing to do. A Call runs the
+EngineCore method it names (one of CALLS) between steps. Under DP attention every rank runs this
+loop and the ranks agree each iteration (one small all-reduce of [has work, stop]) whether to
+step, so collectives inside the forward line up; an idle rank runs an empty forward.
 """
 from __future__ import annotations
 
@@ -13,23 +19,164 @@ import os
 import signal
 import sys
 import traceback
+from collections import deque
 from datetime import timedelta
-from typing import Any, Optional
+from typing import Any, Callable, Optional, Protocol
 
+import numpy as np
 import torch
 
 from rollout.config import EngineConfig
 from rollout.core.cpu_threads import CpuThreads
-from rollout.core.engine_loop import EngineLoop, StepSync
 from rollout.core.engine_core import EngineCore
+from rollout.core.request import Req, cache_namespace
 from rollout.cpu_affinity import pin_process
 from rollout.ipc.control_values import PEER_FAILED   # NOTE: the front end replaces it with the dead rank's name and exit code
-from rollout.ipc.messages import Fatal, Ready, StepOut
-from rollout.ipc.temp_dirs import pid_alive
-from rollout.ipc.transport import EngineSockets
+from rollout.ipc.messages import (AbortReqs, AddReqs, Call, Fatal, FromEngine, Ready, Reply, ReqSpec, Shutdown,
+                                  StepOut, ToEngine)
+from rollout.ipc.transport import EngineSockets, pid_alive
+from rollout.sampling_params import SamplingParams
 
 COLLECTIVE_TIMEOUT = timedelta(seconds=600)
 logger = logging.getLogger(__name__)
+
+# The EngineCore methods (engine_core.py, control_calls.py) a Call may name; each returns msgpack-able data.
+CALLS = frozenset({
+    "abort_all", "flush_cache", "check_integrity", "stats_report", "load_report", "recent_layouts",
+    "runner_report", "pause", "resume", "hold_admission", "release_admission", "try_swap_weights",
+    "init_weights_update_group", "update_weights_from_distributed", "destroy_weights_update_group",
+    "weights_inconsistent", "read_weight", "set_weight_version", "release_memory", "resume_memory",
+    "released_memory"})
+# NOTE: collective: every DP rank's process is a member of the weight-update group, so under DP
+# the loop runs these on all ranks in the same iteration
+COLLECTIVE = frozenset({"init_weights_update_group", "update_weights_from_distributed",
+                        "destroy_weights_update_group"})
+
+
+class EngineEndpoint(Protocol):
+    def recv(self, timeout: float) -> list[ToEngine]:
+        """Every message waiting; blocks up to timeout seconds for the first one."""
+
+    def send(self, msg: FromEngine) -> None:
+        ...
+
+
+def req_from_spec(spec: ReqSpec) -> Req:
+    """The engine's Req of a ReqSpec the front end built (its sampling params already checked there)."""
+    return Req(uid=spec.uid, rid=spec.rid, prompt_ids=np.frombuffer(spec.prompt_ids, dtype=np.int32).tolist(),
+               params=SamplingParams.trusted(spec.params), seed=spec.seed, return_logprob=spec.return_logprob,
+               top_logprobs_num=spec.top_logprobs_num, return_routed_experts=spec.return_routed_experts,
+               routed_experts_start_len=spec.routed_experts_start_len, emit_interval=spec.emit_interval,
+               max_total_len=spec.max_total_len, routed_dp_rank=spec.routed_dp_rank,
+               cache_ns=cache_namespace(spec.cache_salt), prompt_logprob_start=spec.prompt_logprob_start)
+
+
+class StepSync:
+    """DP: every rank learns each iteration whether any rank has work or wants to stop, and how
+    many collective commands every rank has received (those run now, on all ranks together)."""
+
+    def __init__(self, device: torch.device):
+        self._flags = torch.zeros(3, dtype=torch.int32, device=device)
+
+    def agree(self, has_work: bool, stop: bool, pending: int = 0) -> tuple[bool, bool, int]:
+        import torch.distributed as dist  # noqa: PLC0415
+
+        # NOTE: MAX of -pending is -(the fewest pending on any rank)
+        self._flags[0], self._flags[1], self._flags[2] = int(has_work), int(stop), -pending
+        dist.all_reduce(self._flags, op=dist.ReduceOp.MAX)
+        work, stop_all, ready = self._flags.tolist()
+        return bool(work), bool(stop_all), -ready
+
+
+class EngineLoop:
+    IDLE_WAIT_S = 0.5         # single rank: how long an idle loop blocks on its inbox at a time
+    DP_IDLE_WAIT_S = 0.005    # DP: idle ranks meet this often (a new request waits at most this)
+
+    def __init__(self, core: EngineCore, endpoint: EngineEndpoint, *, sync: Optional[StepSync] = None,
+                 alive: Callable[[], bool] = lambda: True):
+        self.core = core
+        self.endpoint = endpoint
+        self.sync = sync
+        self.alive = alive     # False once the front end is gone (the loop then exits)
+        self.stopping = False
+        self.steps = 0
+        self.pending: deque[Call] = deque()   # DP: collective commands not yet received by every rank
+        # the CPU threads that change by step, if any (rollout/core/cpu_threads.py), and whether the
+        # previous message carried stream deltas (the front end works on them meanwhile)
+        self.threads = core.cpu_threads if core.cpu_threads is not None and core.cpu_threads.switches else None
+        self.streamed = False
+
+    def _handle(self, msg: ToEngine, replies: list[Reply]) -> None:
+        if isinstance(msg, AddReqs):
+            for spec in msg.reqs:
+                self.core.add_request(req_from_spec(spec))
+                why = self.core.weights_inconsistent()
+                if why:
+                    # NOTE: sent before the front end learnt of the failed update: never run
+                    self.core.abort(spec.uid, f"aborted: the weights are half-updated ({why})")
+        elif isinstance(msg, AbortReqs):
+            for uid in msg.uids:
+                self.core.abort(uid, msg.message)
+        elif isinstance(msg, Call):
+            if self.sync is not None and msg.method in COLLECTIVE:
+                self.pending.append(msg)
+            else:
+                replies.append(self._call(msg))
+        elif isinstance(msg, Shutdown):
+            self.stopping = True
+        else:
+            raise AssertionError(f"unknown message {type(msg).__name__}")
+
+    def _call(self, msg: Call) -> Reply:
+        if msg.method not in CALLS:
+            return Reply(call_id=msg.call_id, error=f"unknown engine command {msg.method!r}", error_type="ValueError")
+        try:
+            return Reply(call_id=msg.call_id, result=getattr(self.core, msg.method)(*msg.args))
+        except Exception as exc:  # noqa: BLE001 (a command's error goes back to its caller)
+            if not isinstance(exc, ValueError):
+                logger.exception("engine command %s failed", msg.method)
+            return Reply(call_id=msg.call_id, error=str(exc), error_type=type(exc).__name__)
+
+    def run(self) -> None:
+        core, sync = self.core, self.sync
+        while True:
+            work = core.has_work()
+            if sync is None:
+                wait = 0.0 if work else self.IDLE_WAIT_S
+            else:
+                wait = 0.0 if work else self.DP_IDLE_WAIT_S
+            replies: list[Reply] = []
+            for msg in self.endpoint.recv(wait):
+                self._handle(msg, replies)
+            work = core.has_work()
+            if sync is not None:
+                # NOTE: an orphaned rank (front end gone) stops all ranks together, at the next meeting
+                orphaned = not work and not self.alive()
+                work, stop, ready = sync.agree(work, self.stopping or orphaned, len(self.pending))
+                self.stopping = self.stopping or stop
+                if ready and not self.stopping:
+                    # NOTE: every rank got them in the same order (the front end sends them one at a time)
+                    replies += [self._call(self.pending.popleft()) for _ in range(ready)]
+            if self.stopping:
+                self._send(replies)
+                return
+            if work:
+                if self.threads is not None:
+                    self.threads.use(front_end_busy=self.streamed)
+                core.step()
+                self.steps += 1
+            self._send(replies, stepped=work)
+            if sync is None and not work and not self.alive():
+                return
+
+    def _send(self, replies: list[Reply], stepped: bool = False) -> None:
+        """One message per step that ran (its step count is how the front end knows the engine
+        lives), or when a call needs its reply."""
+        updates = self.core.take_updates()
+        if self.threads is not None:
+            self.streamed = any(not u.finished for u in updates)
+        if updates or replies or stepped:
+            self.endpoint.send(StepOut(updates=updates, replies=replies, steps=self.steps))
 
 
 def _join_dp_group(cfg: EngineConfig, rank: int, store_port: int) -> tuple[EngineConfig, Any]:

@@ -1,9 +1,15 @@
-"""Req: the engine-side state of one generation request."""
+"""Req: the engine-side state of one generation request; WaitQueue: the queue of waiting ones.
+
+WaitQueue order is FIFO for added requests; a retracted request goes to the very front (the last
+one pushed to the front comes first). Built from two insertion-ordered dicts, so append, push to
+the front, remove and membership are O(1) and abort of n queued requests costs O(n), not O(n^2).
+"""
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from itertools import chain
+from typing import Any, Iterator, Optional
 
 import torch
 
@@ -11,7 +17,7 @@ from rollout.finish_reason import FinishReason
 from rollout.sampling_params import SamplingParams
 
 
-class ReqState(enum.Enum):
+class ReqStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
@@ -48,7 +54,7 @@ class Req:
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
     output_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
-    state: ReqState = ReqState.WAITING
+    status: ReqStatus = ReqStatus.WAITING
     finish_reason: Optional[FinishReason] = None
     req_to_token_row: Optional[int] = None         # the request's row of the scheduler's ReqToTokenPool (admitted)
     kv_len: int = 0                      # positions whose KV slot is in that row (computed or this step's)
@@ -97,6 +103,45 @@ class Req:
     def seq_len(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
 
-    @property
-    def is_finished(self) -> bool:
-        return self.state is ReqState.FINISHED
+
+class WaitQueue:
+    """The scheduler's queue of waiting requests, with O(1) removal of any member (module doc)."""
+
+    def __init__(self) -> None:
+        self._front: dict[Req, None] = {}   # pushed to the front; iterated newest first
+        self._back: dict[Req, None] = {}    # appended; iterated oldest first
+
+    def append(self, req: Req) -> None:
+        assert req not in self, f"request {req.rid} queued twice"
+        self._back[req] = None
+
+    def appendleft(self, req: Req) -> None:
+        assert req not in self, f"request {req.rid} queued twice"
+        self._front[req] = None
+
+    def remove(self, req: Req) -> None:
+        """Takes a queued request out (KeyError if it is not queued)."""
+        if req in self._front:
+            del self._front[req]
+        else:
+            del self._back[req]
+
+    def discard_all(self) -> list[Req]:
+        """Empties the queue; returns its members in queue order."""
+        out = list(self)
+        self._front.clear()
+        self._back.clear()
+        return out
+
+    def __contains__(self, req: object) -> bool:
+        return req in self._back or req in self._front
+
+    def __len__(self) -> int:
+        return len(self._front) + len(self._back)
+
+    def __bool__(self) -> bool:
+        return bool(self._back) or bool(self._front)
+
+    def __iter__(self) -> Iterator[Req]:
+        """Queue order. NOTE: do not add or remove while iterating (dicts refuse it)."""
+        return chain(reversed(self._front), self._back)

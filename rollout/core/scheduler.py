@@ -17,8 +17,7 @@ import torch
 
 from rollout.batch.kv_pool import KVPool, ReqToTokenPool
 from rollout.core.radix_cache import RadixCache
-from rollout.core.request import Req, ReqState
-from rollout.core.wait_queue import WaitQueue
+from rollout.core.request import Req, ReqStatus, WaitQueue
 from rollout.batch.forward_batch import ScheduledBatch
 
 
@@ -90,7 +89,7 @@ class Scheduler:
             self.waiting.remove(req)
         else:
             self.running.remove(req)
-            self.release(req)
+            self._release(req)
 
     def remove_all_waiting(self) -> list[Req]:
         """Takes every waiting request out of the queue (they hold no KV), in one pass."""
@@ -106,17 +105,24 @@ class Scheduler:
             return torch.empty(0, dtype=torch.int64)
         return self.req_to_token.slots(req.req_to_token_row, req.kv_len)
 
-    def release(self, req: Req) -> None:
-        n = req.kv_len
-        if n:
-            slots = self.kv_slots(req)
-            kept = self.cache.insert(req.cache_key(n), slots)
-            # the cache keeps its own slots for the first `kept` tokens; ours beyond cache_len are duplicates
-            if kept > req.cache_len:
-                self.kv_pool.free(slots[req.cache_len:kept])
+    def _release(self, req: Req) -> None:
+        """Gives up a request's KV: computed KV to the prefix cache (freed when it is disabled)."""
+        if req.kv_len:
+            self._give_to_cache(req)
         if req.last_node is not None:
             self.cache.dec_lock(req.last_node)
         self._drop_row(req)
+
+    def _give_to_cache(self, req: Req) -> list[int]:
+        """Inserts the request's KV (positions 0 .. kv_len-1) into the prefix cache and frees the
+        slots the cache did not take; returns the key inserted."""
+        tokens = req.cache_key(req.kv_len)
+        slots = self.kv_slots(req)
+        kept = self.cache.insert(tokens, slots)
+        # the cache keeps its own slots for the first `kept` tokens; ours beyond cache_len are duplicates
+        if kept > req.cache_len:
+            self.kv_pool.free(slots[req.cache_len:kept])
+        return tokens
 
     def _drop_row(self, req: Req) -> None:
         if req.req_to_token_row is not None:
@@ -130,11 +136,7 @@ class Scheduler:
         """Hands a running request's computed KV to the prefix cache (others can share it now)."""
         if not self.cache.enabled or req.kv_len <= req.cache_len:
             return
-        tokens = req.cache_key(req.kv_len)
-        own = self.kv_slots(req)
-        kept = self.cache.insert(tokens, own)
-        if kept > req.cache_len:
-            self.kv_pool.free(own[req.cache_len:kept])
+        tokens = self._give_to_cache(req)
         slots, node = self.cache.match_prefix(tokens)
         assert slots.numel() == len(tokens)
         self.cache.inc_lock(node)
@@ -192,7 +194,7 @@ class Scheduler:
         for req in candidates:
             if budget <= 0:
                 break
-            is_new = req.state is ReqState.WAITING
+            is_new = req.status is ReqStatus.WAITING
             if is_new:
                 if running_count >= self.max_running_requests or (
                         self.admit_limit is not None and req.queue_seq > self.admit_limit):
@@ -222,7 +224,7 @@ class Scheduler:
                     req.cached_tokens = req.cache_len
                     req.scheduled_once = True
                 admitted.append(req)
-                req.state = ReqState.RUNNING
+                req.status = ReqStatus.RUNNING
                 self._admit_counter += 1
                 req.admit_seq = self._admit_counter
                 self.running.append(req)
@@ -298,8 +300,8 @@ class Scheduler:
         if self.on_retract is not None:
             self.on_retract(req)  # e.g. save routing rows before the slots can be reused
         self.running.remove(req)
-        self.release(req)
-        req.state = ReqState.WAITING
+        self._release(req)
+        req.status = ReqStatus.WAITING
         req.num_retractions += 1
         self.num_retractions += 1
         self.waiting.appendleft(req)

@@ -111,7 +111,7 @@ class Rollout(WeightControl):
         self._dead_listeners.append(fn)
 
     def _call(self, method: str, *args: Any) -> list[Any]:
-        """An engine command (rollout/core/engine_loop.py: EngineCommands) on every rank."""
+        """An engine command (an EngineCore method: rollout/core/engine_proc.py, CALLS) on every rank."""
         return self._client.call(method, *args)
 
     def debug(self, fn: Callable[[Any], Any]) -> Any:

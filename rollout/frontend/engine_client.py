@@ -36,7 +36,7 @@ class EngineClient(Protocol):
         """Aborts without waiting; unknown or finished uids are ignored."""
 
     def call(self, method: str, *args: Any) -> list[Any]:
-        """Runs an engine command (rollout/core/engine_loop.py: EngineCommands) on every rank between
+        """Runs an engine command (an EngineCore method: rollout/core/engine_proc.py, CALLS) on every rank between
         steps; the per-rank results. A ValueError raised there is raised here."""
 
     @property

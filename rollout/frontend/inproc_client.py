@@ -14,7 +14,7 @@ from concurrent.futures import Future
 from typing import Any, Callable, Optional
 
 from rollout.config import EngineConfig
-from rollout.core.engine_loop import EngineLoop
+from rollout.core.engine_proc import EngineLoop
 from rollout.core.engine_core import EngineCore
 from rollout.frontend.engine_client import DeadCallback, EngineDeadError, UpdatesCallback, raise_reply
 from rollout.ipc.messages import AbortReqs, AddReqs, Call, FromEngine, ReqSpec, Shutdown, StepOut, ToEngine

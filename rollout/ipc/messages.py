@@ -41,7 +41,8 @@ class AbortReqs(msgspec.Struct, tag=True, array_like=True):
 
 
 class Call(msgspec.Struct, tag=True, array_like=True):
-    """A control command (an EngineCommands method) whose result comes back as a Reply."""
+    """A control call: the EngineCore method it names (rollout/core/engine_proc.py: CALLS) runs between
+    steps and its result comes back as a Reply."""
     call_id: int
     method: str
     args: list[Any]

@@ -13,19 +13,11 @@ import shutil
 import tempfile
 from typing import Iterable, Optional
 
+from rollout.ipc.transport import pid_alive
+
 logger = logging.getLogger(__name__)
 
 _OWNED = re.compile(r"^rollout-(?:weights-)?(\d+)-[A-Za-z0-9_]+$")
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def owned_dirs(root: Optional[str] = None) -> list[tuple[str, int]]:

@@ -18,6 +18,17 @@ import zmq
 from rollout.ipc.messages import Codec, FromEngine, ToEngine
 
 
+def pid_alive(pid: int) -> bool:
+    """Whether process pid still runs (an engine's check on its front end; stale socket directories)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def _socket(ctx: zmq.Context, kind: int) -> zmq.Socket:
     sock = ctx.socket(kind)
     sock.setsockopt(zmq.LINGER, 0)

@@ -1,8 +1,11 @@
-"""EngineControl: what an EngineCore does between steps for the engine loop's control commands.
+"""ControlCalls: the EngineCore methods that answer the front end's control calls, between steps.
 
-Pause and resume, admission holds and the weight swap they guard, memory release for a colocated
-trainer, the weights' version label, and the stats and load reports. EngineCore (engine_core.py)
-inherits it; the state it keeps has class-level defaults, so EngineCore's constructor sets none.
+Pause and resume, admission holds and the weight updates they guard (from the front end's
+tensors, or received from a trainer's weight-update group), memory release for a colocated
+trainer, the weights' version label, and the stats, load and runner reports. Each returns
+msgpack-able data. EngineCore (engine_core.py) is this class plus the request path; the state
+used here (paused_mode, _admission_holds, _weight_receiver, _memory_saver) is set up by its
+constructor, and the engine loop (engine_proc.py: CALLS) names the methods a Call may run.
 """
 from __future__ import annotations
 
@@ -12,31 +15,11 @@ from typing import Any, Optional
 import torch
 
 from rollout.ipc.control_values import PAUSE_MODES
+from rollout.ipc.tensor_wire import tensors_from_wire
 
 
-class EngineControl:
-    # NOTE: EngineCore's (engine_core.py), used here, as is its abort_all()
-    scheduler: Any
-    cache: Any
-    kv_pool: Any
-    capturer: Any
-    runner: Any
-    model: torch.nn.Module
-    stats: dict
-    weight_version: Optional[str]
-    _expert_report: dict
-    cpu_threads: Any   # Optional[CpuThreads]
-
+class ControlCalls:
     PAUSE_MODES = PAUSE_MODES
-    paused_mode: Optional[str] = None      # None (running) | "abort" | "retract" | "in_place"
-    _admission_holds: int = 0              # > 0 while weight updates wait for earlier requests
-
-    def _may_step(self) -> bool:
-        """Whether the engine thread should step: never while paused; while a weight update holds
-        admission, only for the requests that arrived before it (an idle queue never spins)."""
-        if self.paused_mode is not None or self.released_memory or self.weights_inconsistent:
-            return False
-        return not self._admission_holds or self.scheduler.has_admissible()
 
     def pause(self, mode: str) -> int:
         """Stops scheduling until resume(). abort: finish every request as aborted; retract: move
@@ -47,7 +30,7 @@ class EngineControl:
         if mode == "abort":
             count = self.abort_all()
         elif mode == "retract":
-            count = self.retract_running()
+            count = self._retract_running()
         else:
             count = len(self.scheduler.running)
         self.paused_mode = mode
@@ -58,30 +41,32 @@ class EngineControl:
         self.paused_mode = None
         return was_paused
 
-    def retract_running(self) -> int:
+    def _retract_running(self) -> int:
         # newest first: each goes to the queue's front, so the oldest ends up first again
         running = sorted(self.scheduler.running, key=lambda r: r.admit_seq, reverse=True)
         for req in running:
             self.scheduler.retract(req)
         return len(running)
 
-    def hold_admission(self) -> None:
+    def hold_admission(self) -> bool:
         """Requests that arrive from now on are not admitted until release_admission(); those
         already here (running or waiting) run to the end, on the current weights (as SGLang's
         weight updates wait for the requests in flight)."""
         if self._admission_holds == 0:
             self.scheduler.hold_admission()
         self._admission_holds += 1
+        return True
 
-    def release_admission(self) -> None:
+    def release_admission(self) -> bool:
         assert self._admission_holds > 0
         self._admission_holds -= 1
         if self._admission_holds == 0:
             self.scheduler.release_admission()
+        return True
 
-    def try_swap_weights(self, staged: dict[str, torch.Tensor], weight_version: Optional[str]) -> Optional[int]:
-        """Copies validated, staged HF-named tensors into the model once the requests that arrived
-        before hold_admission() are done.
+    def try_swap_weights(self, staged: list[list[Any]], weight_version: Optional[str]) -> Optional[int]:
+        """Copies validated, staged HF-named tensors (rollout/ipc/tensor_wire.py) into the model
+        once the requests that arrived before hold_admission() are done.
 
         Returns the tensor count, or None while such requests still run or wait (call again after
         a step). Paused in_place, the running requests are retracted first: their KV came from the
@@ -89,15 +74,16 @@ class EngineControl:
         """
         from rollout.models.loader import load_state_dict_from_tensors  # noqa: PLC0415
 
-        if "weights" in self.released_memory:
+        if "weights" in self.released_memory():
             raise ValueError("the weights are released (release_memory_occupation): resume them first")
         if self.paused_mode is not None and self.scheduler.running:
-            self.retract_running()
+            self._retract_running()
         if self.scheduler.running or (self.paused_mode is None and self.scheduler.has_admissible()):
             return None
-        count = load_state_dict_from_tensors(self.model, staged)
+        tensors = tensors_from_wire(staged)
+        count = load_state_dict_from_tensors(self.model, tensors)
         if self._weight_receiver is not None:
-            self._weight_receiver.rewritten(self.model, staged)
+            self._weight_receiver.rewritten(self.model, tensors)
         self._flush_for_new_weights()
         self._updated(weight_version)
         return count
@@ -112,12 +98,8 @@ class EngineControl:
         self.stats["weight_updates"] = self.stats.get("weight_updates", 0) + 1
 
     # ---- the weight-update group (rollout/core/weight_receiver.py) -------------------------------
-    cfg: Any
-    dp_rank: int
-    device: torch.device
-    ep_group: Any
-    _weight_receiver: Any = None
-
+    # NOTE: the three group calls are collective (every DP rank's process is a member of the
+    # group): under DP the loop runs them on all ranks in the same iteration (COLLECTIVE)
     @property
     def weight_receiver(self) -> Any:
         from rollout.core.weight_receiver import WeightReceiver  # noqa: PLC0415
@@ -128,60 +110,64 @@ class EngineControl:
                                                    bucket_bytes=self.cfg.weight_update_bucket_bytes)
         return self._weight_receiver
 
-    @property
-    def weights_inconsistent(self) -> str:
-        """Why the weights are half-updated (a failed distributed update), or "" when they are not.
-        Nothing is scheduled while they are."""
-        r = self._weight_receiver
-        return (r.inconsistent_reason or "a failed update") if r is not None and r.inconsistent else ""
+    def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                                  group_name: str, backend: str, timeout_s: float) -> dict:
+        return self.weight_receiver.init_group(master_address, master_port, rank_offset, world_size,
+                                               group_name, backend, timeout_s)
 
-    def try_receive_weights(self, names: list, dtypes: list, shapes: list, load_format: Optional[str],
-                            weight_version: Optional[str]) -> Optional[int]:
+    def destroy_weights_update_group(self, group_name: Optional[str]) -> bool:
+        return self.weight_receiver.destroy_group(group_name)
+
+    def update_weights_from_distributed(self, names: list, dtypes: list, shapes: list, load_format: Optional[str],
+                                        weight_version: Optional[str]) -> Optional[int]:
         """Receives a distributed update straight into the parameters once the requests that arrived
         before hold_admission() are done (None until then, on every DP rank alike: the ranks agree).
         Returns the tensor count; raises ValueError with the reason when the update is refused or
         fails (rollout/core/weight_receiver.py says what is left then)."""
         if self.paused_mode is not None and self.scheduler.running:
-            self.retract_running()
+            self._retract_running()
         ready = not (self.scheduler.running or (self.paused_mode is None and self.scheduler.has_admissible()))
         if self.ep_group is not None:
             ready = all(r[0] for r in self.ep_group.exchange([int(ready)]))
         if not ready:
             return None
         refuse = ("the weights are released (release_memory_occupation): resume them first"
-                  if "weights" in self.released_memory else None)
+                  if "weights" in self.released_memory() else None)
         try:
             count = self.weight_receiver.receive(self.model, names, dtypes, shapes, load_format, refuse=refuse)
         finally:
             self.stats["weight_update_buckets"] = (self.stats.get("weight_update_buckets", 0)
                                                    + self.weight_receiver.last_buckets)
-            if self.weights_inconsistent:
-                self.abort_all(f"aborted: the weights are half-updated ({self.weights_inconsistent})")
+            if self.weights_inconsistent():
+                self.abort_all(f"aborted: the weights are half-updated ({self.weights_inconsistent()})")
             self._flush_for_new_weights()
         self._updated(weight_version)
         return count
 
-    _memory_saver: Any = None
+    def read_weight(self, hf_name: str, truncate_size: int) -> Optional[list]:
+        from rollout.models.weight_reader import read_hf_weight  # noqa: PLC0415
 
-    @property
-    def released_memory(self) -> tuple[str, ...]:
-        """The memory tags now released ("weights", "kv_cache"); nothing steps while any is."""
-        return self._memory_saver.released if self._memory_saver is not None else ()
+        return read_hf_weight(self.model, hf_name, truncate_size)
 
-    def release_memory(self, tags: tuple[str, ...]) -> list[str]:
+    def set_weight_version(self, version: str, abort_all_requests: bool = False) -> int:
+        """Relabels the weights (SGLang's /update_weight_version): outputs finished from now on
+        carry it; returns the requests aborted."""
+        aborted = self.abort_all() if abort_all_requests else 0
+        self.weight_version = version
+        return aborted
+
+    # ---- memory release (rollout/core/memory_saver.py) ------------------------------------------
+    def release_memory(self, tags: list[str]) -> list[str]:
         from rollout.core.memory_saver import MemorySaver  # noqa: PLC0415
 
         if self._memory_saver is None:
             self._memory_saver = MemorySaver(self)
-        return self._memory_saver.release(tags)
+        return self._memory_saver.release(tuple(tags))
 
-    def resume_memory(self, tags: tuple[str, ...]) -> list[str]:
-        return self._memory_saver.resume(tags) if self._memory_saver is not None else []
+    def resume_memory(self, tags: list[str]) -> list[str]:
+        return self._memory_saver.resume(tuple(tags)) if self._memory_saver is not None else []
 
-    def set_weight_version(self, version: str) -> None:
-        """Relabels the weights (SGLang's /update_weight_version); nothing else changes."""
-        self.weight_version = version
-
+    # ---- reports -------------------------------------------------------------------------------
     def load_report(self) -> list[dict]:
         """Running/waiting requests and KV use per DP rank (one rank in this process)."""
         used, total = self.kv_pool.used(), self.kv_pool.num_slots
@@ -202,12 +188,17 @@ class EngineControl:
                     **(self.cpu_threads.report() if self.cpu_threads is not None
                        else {"cpu_threads": torch.get_num_threads()}))
 
-    def recent_layouts(self) -> list:
-        """The GatherLayouts of the latest forwards (oldest first), for tests and debugging."""
-        return list(self.runner.recent_layouts)
+    def recent_layouts(self) -> list[list]:
+        """[runner, token_counts, padded_extent] of each of the latest forwards' GatherLayouts
+        (oldest first), for tests and debugging."""
+        return [[lay.runner, list(lay.token_counts), lay.padded_extent] for lay in self.runner.recent_layouts]
+
+    def runner_report(self) -> dict:
+        """What the static-shape runners captured (tests and debugging)."""
+        return self.runner.report()
 
     def close(self) -> None:
-        """Removes a released-weights file, if any ."""
+        """Removes a released-weights file, if any, and ends a weight-update group."""
         if self._memory_saver is not None:
             self._memory_saver.discard()
         if self._weight_receiver is not None:

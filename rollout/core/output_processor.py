@@ -1,0 +1,232 @@
+"""OutputProcessor: what a step does with its forward's results, and every ReqUpdate the engine sends.
+
+After a forward: the routing rows committed, computed KV handed to the prefix cache, prompt
+logprobs, the next tokens sampled (and the non-finite check), the finish checks, and an update
+per request that finished or has a stream delta due. Aborts finish requests through it too.
+It never builds text or wire formats beyond raw bytes: the front end detokenizes, checks stop
+strings and encodes (rollout/frontend/).
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Optional, Sequence
+
+import torch
+
+from rollout.batch.host_staging import to_device
+from rollout.core.request import Req, ReqStatus
+from rollout.exec.sampler import sample
+from rollout.finish_reason import FinishReason
+from rollout.ipc.messages import ReqUpdate, floats, ints
+
+logger = logging.getLogger(__name__)
+ABORT_BEFORE_PREFILL = "Abort before prefill"   # SGLang's message for a request that computed no KV
+
+
+class OutputProcessor:
+    def __init__(self, *, scheduler: Any, capturer: Any, host_reads: Any, stats: dict, eos_ids: list[int],
+                 vocab_size: int, num_experts: int, weight_version: str):
+        self.scheduler = scheduler
+        self.capturer = capturer                  # Optional[RoutedExpertsCapturer]
+        self.host_reads = host_reads              # the step's one read of its device results (counted)
+        self.stats = stats                        # EngineCore's counters (shared)
+        self.eos_ids = eos_ids
+        self._eos_set = frozenset(eos_ids)
+        self.vocab_size = vocab_size
+        self.weight_version = weight_version      # the label every update carries
+        # NOTE: routing rows travel as int16 (logical ids and -1) unless the expert count needs int32
+        self._routing_dtype = torch.int16 if num_experts < 2**15 else torch.int32
+        self.outbox: list[ReqUpdate] = []
+
+    def take(self) -> list[ReqUpdate]:
+        out, self.outbox = self.outbox, []
+        return out
+
+    # ---- after a forward -----------------------------------------------------------------------
+    def process(self, batch: Any, out: Any) -> None:
+        """batch: the ScheduledBatch the forward ran; out: its ForwardOutput."""
+        self.stats[f"forwards_{out.runner}"] = self.stats.get(f"forwards_{out.runner}", 0) + 1
+        if self.capturer is not None:
+            self.capturer.commit(out.layout, batch.out_cache_loc)
+        if batch.is_prefill:
+            for req in batch.reqs:
+                self.scheduler.cache_unfinished(req)
+        if out.token_logits is not None:
+            self._record_prompt_logprobs(batch, out.token_logits)
+        self.stats["num_forwards"] += 1
+        self.stats["num_prefill_forwards" if batch.is_prefill else "num_decode_forwards"] += 1
+        rows = self._rows_to_sample(batch)
+        if rows is not None:
+            self._sample(*rows, out.logits)
+
+    def _rows_to_sample(self, batch: Any) -> Optional[tuple[list[Req], Sequence[int]]]:
+        """The requests whose logits give a next token and their rows of the batch (None: none);
+        a completed request at max_new_tokens finishes here."""
+        if batch.is_prefill or not all(r.output_ids for r in batch.reqs):
+            to_sample = []
+            for i, req in enumerate(batch.reqs):
+                if batch.completes(i):
+                    if req.params.max_new_tokens > len(req.output_ids):
+                        to_sample.append(i)
+                    else:
+                        self.finish(req, FinishReason("length"))
+            if not to_sample:
+                return None
+            return [batch.reqs[i] for i in to_sample], to_sample
+        # NOTE: a decode step completes every request, and one that has sampled before is
+        # below max_new_tokens (_check_finish finished it otherwise). A prompt's last token can
+        # come through a decode step too (chunked prefill): the general path above sees it.
+        return batch.reqs, range(len(batch.reqs))
+
+    def _sample(self, reqs: list[Req], to_sample: Sequence[int], logits: torch.Tensor) -> None:
+        if len(to_sample) != logits.shape[0]:
+            logits = logits.index_select(0, to_device(torch.tensor(list(to_sample), dtype=torch.int64), logits.device))
+        banned = None
+        if any(len(r.output_ids) < r.params.min_new_tokens for r in reqs):
+            banned = [self._banned_ids(r) for r in reqs]
+        # NOTE: every row is sampled, finite or not (rows are independent), so that the step reads
+        # its results once: ids, logprobs, finiteness (and top logprobs) in one transfer.
+        result = sample(
+            logits, [r.params for r in reqs], [r.seed for r in reqs], [r.seq_len for r in reqs],
+            [r.output_ids for r in reqs], banned, [r.top_logprobs_num for r in reqs])
+        columns = [result.next_ids, result.logprobs, torch.isfinite(logits).all(dim=-1)]   # [B] each
+        if result.top_ids is not None:
+            columns += [result.top_logprobs, result.top_ids]                                # [B, k] each
+        self._append(reqs, *self.host_reads.read(columns))
+
+    def _append(self, reqs: list[Req], next_ids: list, logprobs: list, finite: list, *top: list) -> None:
+        """Appends each request's sampled token; finishes it, or sends its stream delta when due."""
+        eos = self._eos_set
+        for j, req in enumerate(reqs):
+            if not finite[j]:
+                self._fail_nonfinite(req, "the forward produced non-finite logits (NaN or inf)")
+                continue
+            self.stats["generated_tokens"] += 1
+            if logprobs[j] != logprobs[j]:   # NaN: no finite distribution to sample from
+                self._fail_nonfinite(req, "sampling produced a NaN logprob (no finite distribution)")
+                continue
+            tok = next_ids[j]
+            out_ids = req.output_ids
+            out_ids.append(tok)
+            req.output_logprobs.append(logprobs[j])
+            if req.top_logprobs_num:
+                n = req.top_logprobs_num
+                req.output_top_logprobs.append(list(zip(top[0][j][:n], top[1][j][:n])))
+            p = req.params
+            # NOTE: the usual token ends nothing; only a token that could (_check_finish) pays for
+            # the full check. Stop strings are the front end's (it sees the text and aborts).
+            if ((tok in eos and not p.ignore_eos) or p.stop_token_ids or len(out_ids) >= p.max_new_tokens
+                    or len(req.prompt_ids) + len(out_ids) >= req.max_total_len):
+                reason = self._check_finish(req, tok)
+            else:
+                reason = None
+            if reason is not None:
+                self.finish(req, reason)
+            elif req.emit_interval and len(out_ids) - req.sent_tokens >= req.emit_interval:
+                self._update(req)
+
+    @staticmethod
+    def _record_prompt_logprobs(batch: Any, token_logits: torch.Tensor) -> None:
+        """Input logprobs of the prompt tokens this prefill's logits predict (raw log-softmax)."""
+        offset = 0
+        for req, pre, ext in zip(batch.reqs, batch.prefix_lens, batch.extend_lens):
+            nxt = req.prompt_logprob_start + len(req.input_logprobs)   # position whose logits come next
+            hi = min(pre + ext, len(req.prompt_ids) - 1)
+            if req.needs_prompt_logprobs and pre <= nxt < hi:
+                lp = torch.log_softmax(token_logits[offset + nxt - pre:offset + hi - pre], dim=-1)  # [n, vocab]
+                toks = torch.tensor(req.prompt_ids[nxt + 1:hi + 1], device=lp.device)
+                req.input_logprobs.extend(lp.gather(1, toks[:, None]).squeeze(1).tolist())
+                if req.top_logprobs_num:
+                    val, idx = lp.topk(req.top_logprobs_num, dim=-1)
+                    req.input_top_logprobs.extend(list(zip(v, i)) for v, i in zip(val.tolist(), idx.tolist()))
+            offset += ext
+
+    def _banned_ids(self, req: Req) -> list[int]:
+        if len(req.output_ids) >= req.params.min_new_tokens:
+            return []
+        banned = list(req.params.stop_token_ids) + ([] if req.params.ignore_eos else self.eos_ids)
+        if len(set(banned)) >= self.vocab_size:
+            return []   # NOTE: every token would end the request: min_new_tokens cannot hold; ban none
+        return banned
+
+    def _fail_nonfinite(self, req: Req, why: str) -> None:
+        """Ends a request whose next token has no finite distribution: abort, with what it has."""
+        logger.warning("request %s: %s; aborted", req.rid, why)
+        self.stats["nonfinite_logits_aborts"] += 1
+        self.stats["aborted_requests"] += 1
+        self.finish(req, FinishReason("abort", message=why + "; the request was aborted",
+                                      err_type="NonFiniteLogits", status_code=500))
+
+    def _check_finish(self, req: Req, tok: int) -> Optional[FinishReason]:
+        p = req.params
+        if not p.ignore_eos and tok in self.eos_ids:
+            return FinishReason("stop", matched=tok)
+        if tok in p.stop_token_ids:
+            return FinishReason("stop", matched=tok)
+        if len(req.output_ids) >= p.max_new_tokens or req.seq_len >= req.max_total_len:
+            return FinishReason("length")
+        return None
+
+    # ---- updates -------------------------------------------------------------------------------
+    def _routing_hi(self, req: Req) -> int:
+        if req.kv_len:
+            # NOTE: a step that failed mid-forward (a DP peer died) had counted the position it was
+            # feeding; its row never finished. A request never has more than seq_len - 1 rows.
+            return min(req.kv_len, req.seq_len - 1)
+        if req.saved_routing is not None:
+            return req.routed_experts_start_len + req.saved_routing.shape[0]
+        return req.routed_experts_start_len
+
+    def _routing_rows(self, req: Req, lo: int, hi: int) -> torch.Tensor:
+        return self.capturer.rows(self.scheduler.kv_slots(req), lo, hi, req.saved_routing,
+                                  req.routed_experts_start_len)
+
+    def save_routing(self, req: Req) -> None:
+        """Keeps a request's routing rows before its KV slots are given up (a retraction)."""
+        if self.capturer is not None and req.return_routed_experts and req.kv_len:
+            start = req.routed_experts_start_len
+            req.saved_routing = self._routing_rows(req, start, max(start, req.kv_len)).clone()
+
+    def _update(self, req: Req, reason: Optional[FinishReason] = None) -> None:
+        """Appends what req gained since its previous update (tokens, logprobs, final routing rows)."""
+        lo = req.sent_tokens
+        upd = ReqUpdate(uid=req.uid, output_ids=ints(req.output_ids[lo:]), cached_tokens=req.cached_tokens,
+                        num_retractions=req.num_retractions, weight_version=self.weight_version)
+        if req.return_logprob:
+            upd.logprobs = floats(req.output_logprobs[lo:])
+        if req.top_logprobs_num:
+            rows = req.output_top_logprobs[lo:]
+            upd.top_n = req.top_logprobs_num
+            upd.top_logprobs = floats([[lp for lp, _ in row] for row in rows])
+            upd.top_ids = ints([[t for _, t in row] for row in rows])
+        if self.capturer is not None and req.return_routed_experts and req.scheduled_once:
+            start = max(req.sent_routing_rows, req.routed_experts_start_len)
+            hi = max(start, self._routing_hi(req))
+            upd.routing = self._routing_rows(req, start, hi).to(self._routing_dtype).numpy().tobytes()
+            upd.routing_dtype = "int16" if self._routing_dtype == torch.int16 else "int32"
+            upd.routing_start = start
+            req.sent_routing_rows = hi
+        req.sent_tokens = len(req.output_ids)
+        if (req.prompt_logprob_start >= 0 and not req.sent_input_logprobs
+                and (reason is not None or not req.needs_prompt_logprobs)):
+            req.sent_input_logprobs = True   # NOTE: once complete (the front end may stop the request early)
+            upd.input_logprobs = floats(req.input_logprobs)
+            if req.top_logprobs_num:
+                upd.input_top_logprobs = floats([[lp for lp, _ in row] for row in req.input_top_logprobs])
+                upd.input_top_ids = ints([[t for _, t in row] for row in req.input_top_logprobs])
+        if reason is not None:
+            upd.finished = True
+            upd.finish_type, upd.finish_matched, upd.finish_message = reason.type, reason.matched, reason.message
+            upd.finish_err_type, upd.finish_status_code = reason.err_type, reason.status_code
+        self.outbox.append(upd)
+
+    def finish(self, req: Req, reason: FinishReason) -> None:
+        """Ends a request: its last update, its KV returned (to the prefix cache when enabled)."""
+        if not req.scheduled_once and reason.type == "abort":
+            # NOTE: no KV (so no routing row) was ever computed: SGLang's message, no routing field
+            reason = FinishReason("abort", message=ABORT_BEFORE_PREFILL)
+        self._update(req, reason)  # NOTE: before remove(): the routing rows live at the request's KV slots
+        self.scheduler.remove(req)
+        req.status = ReqStatus.FINISHED
+        req.finish_reason = reason
+        self.stats["finished_requests"] += 1
