@@ -13,7 +13,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from rollout.batch.host_staging import to_device
+from rollout.batch.host_device import to_device
 from rollout.core.request import Req, ReqStatus
 from rollout.exec.sampler import sample
 from rollout.finish_reason import FinishReason
