@@ -32,7 +32,7 @@ from rollout.core.radix_cache import RadixCache
 from rollout.exec.runners.capture_profiler import GraphCaptureProfiler
 from rollout.exec.runners.runner_plan import RunnerPlan
 from rollout.core.request import Req, ReqState
-from rollout.finish_reason import FinishReason
+from rollout.generate_io import FinishReason
 from rollout.exec.sampler import sample
 from rollout.core.scheduler import Scheduler
 from rollout.tokenizer import Tokenizer

@@ -17,18 +17,14 @@ import torch
 from capture.gather_layout import GatherLayout
 from rollout.config import EngineConfig
 from rollout.frontend.async_generation import AsyncGeneration
-from rollout.frontend.async_inbox import AsyncInbox
+from rollout.frontend.async_inbox import AsyncInbox, LoopFeeder
 from rollout.frontend.engine_client import EngineClient, EngineDeadError
-from rollout.frontend.loop_feeder import LoopFeeder
 from rollout.frontend.request_builder import ParamsArg, RequestBuilder
-from rollout.frontend.request_state import RequestState, RoutingShape
-from rollout.frontend.request_table import RequestTable
-from rollout.frontend.submission import Submission
+from rollout.frontend.request_state import RequestState, RequestTable, RoutingShape
+from rollout.generate_io import RolloutOutput, StreamChunk, Submission
 from rollout.frontend.weight_control import WeightControl
 from rollout.ipc.messages import ReqSpec, ReqUpdate
 from rollout.models.registry import architecture_of, model_class, read_config, resolve_dtype
-from rollout.output import RolloutOutput
-from rollout.stream_chunk import StreamChunk
 from rollout.tokenizer import Tokenizer
 
 __all__ = ["AsyncGeneration", "EngineDeadError", "Rollout"]

@@ -4,9 +4,7 @@ from __future__ import annotations
 from typing import Any, AsyncIterator, Callable, Union
 
 from rollout.frontend.async_inbox import AsyncInbox
-from rollout.frontend.submission import Submission
-from rollout.output import RolloutOutput
-from rollout.stream_chunk import StreamChunk
+from rollout.generate_io import RolloutOutput, StreamChunk, Submission
 
 
 class AsyncGeneration:

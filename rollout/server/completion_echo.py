@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional
 
-from rollout.output import RolloutOutput
+from rollout.generate_io import RolloutOutput
 from rollout.server.responses import ApiError
 
 

@@ -6,8 +6,7 @@ from typing import Any, AsyncIterator, Optional
 
 from starlette.requests import Request
 
-from rollout.output import RolloutOutput
-from rollout.stream_chunk import StreamChunk
+from rollout.generate_io import RolloutOutput, StreamChunk
 
 KEEPALIVE_S = 5.0
 

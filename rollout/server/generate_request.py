@@ -10,7 +10,7 @@ from capture.codec import ROW_DTYPES
 from rollout.server.ignored_fields import FieldPolicy, IgnoredFields
 from rollout.server.responses import ApiError
 from rollout.server.routing_format import check_routing_format, encode_rows
-from rollout.output import RolloutOutput
+from rollout.generate_io import RolloutOutput
 
 GENERATE = FieldPolicy(
     endpoint="/generate",

@@ -15,7 +15,7 @@ from rollout.frontend.api import EngineDeadError
 from rollout.server.generate_request import GenerateCall
 from rollout.server.engine_stream import EngineStream
 from rollout.server.responses import error_body, sse
-from rollout.stream_chunk import StreamChunk
+from rollout.generate_io import StreamChunk
 
 
 class _Progress:

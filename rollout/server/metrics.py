@@ -9,7 +9,7 @@ from fastapi import FastAPI
 from starlette.responses import Response
 
 from rollout.frontend.api import Rollout
-from rollout.output import RolloutOutput
+from rollout.generate_io import RolloutOutput
 from rollout.server.ignored_fields import IgnoredFields
 
 

@@ -9,7 +9,7 @@ from typing import Any, AsyncIterator, Callable, Optional, Union
 from starlette.requests import Request
 from starlette.responses import Response
 
-from rollout.output import RolloutOutput
+from rollout.generate_io import RolloutOutput, StreamChunk
 from rollout.server.completion_echo import CompletionEcho
 from rollout.server.engine_stream import EngineStream
 from rollout.frontend.api import EngineDeadError
@@ -17,7 +17,6 @@ from rollout.server.responses import (ApiError, JSONBytesResponse, SSEResponse, 
                                      param_of, sse)
 from rollout.server.text_bound import OFF_LOOP_CHARS, TextBound
 from rollout.server.routing_format import check_routing_format, encode_rows
-from rollout.stream_chunk import StreamChunk
 
 # NOTE: "stream_options", "user", "metadata" and similar OpenAI fields that do not change the
 # output are accepted and ignored, like other OpenAI-compatible servers do.

@@ -1,10 +1,36 @@
-"""RolloutOutput: the finished result of one request, with SGLang's `{text, output_ids, meta_info}` view."""
+"""What a generation call gives back: RolloutOutput (the finished result of one request, with
+SGLang's `{text, output_ids, meta_info}` view), StreamChunk (what one streamed step adds),
+FinishReason (why a request ended, as the engine decides it and the outputs report it: SGLang's
+`meta_info.finish_reason` shape) and Submission (the request ids one call queued, in output order).
+SGLang keeps these types together in io_struct.py."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
+
+@dataclass(frozen=True)
+class FinishReason:
+    type: str                       # "stop" | "length" | "abort"
+    matched: Any = None             # the token id or stop string that matched
+    message: Optional[str] = None
+    err_type: Optional[str] = None      # abort by a server-side failure (SGLang's FINISH_ABORT fields)
+    status_code: Optional[int] = None
+
+    def to_dict(self, completion_tokens: int) -> dict:
+        out: dict = {"type": self.type}
+        if self.type == "stop":
+            out["matched"] = self.matched
+        elif self.type == "length":
+            out["length"] = completion_tokens
+        if self.message:
+            out["message"] = self.message
+        if self.err_type:
+            out["err_type"] = self.err_type
+            out["status_code"] = self.status_code
+        return out
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -60,3 +86,32 @@ class RolloutOutput:
     def to_dict(self, routed_experts_format: str = "int32") -> dict[str, Any]:
         return {"text": self.text, "output_ids": list(self.output_ids),
                 "meta_info": self.meta_info(routed_experts_format)}
+
+
+@dataclass(frozen=True, kw_only=True)
+class StreamChunk:
+    rid: str
+    output_ids: list[int]                          # new tokens since the previous chunk
+    text: str                                      # new text since the previous chunk
+    output_logprobs: Optional[list[float]] = None
+    output_top_logprobs: Optional[list[list[tuple[float, int]]]] = None
+    routed_experts: Optional[torch.Tensor] = None  # [rows, L, K] rows final since the previous chunk
+    routed_experts_start: int = 0                  # absolute position of routed_experts[0]
+    finished: bool = False
+    output: Optional[RolloutOutput] = None         # the whole result, on the last chunk
+
+
+@dataclasses.dataclass(frozen=True)
+class Submission:
+    """The request ids of one call in output order (prompt-major: each prompt's n samples together)
+    and, for each, the index of its prompt in the call. Built from the request groups the call
+    made, so no caller re-derives the order from `n` or from the shape of an id."""
+
+    rids: list[str]
+    prompt_index: dict[str, int]
+
+    @staticmethod
+    def of(groups: list[list[str]]) -> "Submission":
+        """groups[i]: the request ids made for prompt i."""
+        return Submission(rids=[r for g in groups for r in g],
+                          prompt_index={r: i for i, g in enumerate(groups) for r in g})
