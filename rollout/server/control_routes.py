@@ -13,8 +13,7 @@ from starlette.responses import Response
 
 from rollout.ipc.control_values import PAUSE_MODES
 from rollout.server.generate_request import typed
-from rollout.server.ignored_fields import FieldPolicy, IgnoredFields
-from rollout.server.request_body import read_json
+from rollout.server.request_body import FieldPolicy, IgnoredFields, read_json
 from rollout.server.responses import ApiError, json_response
 from rollout.server.args import ServerArgs
 from rollout.server.weight_updater import WeightUpdateError, WeightUpdater

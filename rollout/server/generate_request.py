@@ -1,16 +1,17 @@
-"""GenerateCall: one SGLang `/generate` body (GenerateReqInput's fields), checked and mapped onto the
-engine's arguments, and the SGLang `{text, output_ids, meta_info}` view of its results."""
+"""GenerateCall: one SGLang `/generate` body (GenerateReqInput's fields) mapped onto GenerateArgs (here
+only the HTTP-shaped checks: JSON types, field names, SGLang's field policy; the front end checks the
+values), and the SGLang `{text, output_ids, meta_info}` view of its results."""
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
-from capture.codec import ROW_DTYPES
-from rollout.server.ignored_fields import FieldPolicy, IgnoredFields
+from capture.codec import ROW_DTYPES, RoutedExpertsFormat
+from rollout.generate_io import GenerateArgs, RolloutOutput, per_prompt, progress_meta
+from rollout.server.request_body import FieldPolicy, IgnoredFields
 from rollout.server.responses import ApiError
-from rollout.server.routing_format import check_routing_format, encode_rows
-from rollout.generate_io import RolloutOutput
 
 GENERATE = FieldPolicy(
     endpoint="/generate",
@@ -50,26 +51,30 @@ def typed(body: dict, name: str, types: tuple, default: Any) -> Any:
     return value
 
 
-def _per_prompt(body: dict, name: str, count: int, types: tuple, default: Any) -> list:
-    """A field given once for all prompts or as a list with one entry per prompt."""
+def routing_format(value: Any) -> str:
+    """routed_experts_format (None: int32), or the 400 naming the allowed formats."""
+    try:
+        return "int32" if value is None else RoutedExpertsFormat.parse(value).value
+    except ValueError as exc:
+        raise ApiError(400, str(exc), param="routed_experts_format") from None
+
+
+def _given(body: dict, name: str, default: Any) -> Any:
+    """The field as given (the front end checks its values), JSON null as the default, also per prompt."""
     value = body.get(name)
     if isinstance(value, list):
-        if len(value) != count:
-            raise ApiError(400, f"{name} has {len(value)} entries for {count} prompts", param=name)
-        return [typed({name: v}, name, types, default) for v in value]
-    return [typed(body, name, types, default)] * count
+        return [default if v is None else v for v in value]
+    return default if value is None else value
 
 
 @dataclass(kw_only=True)
 class GenerateCall:
-    kwargs: dict                   # Rollout.submit's arguments
+    args: GenerateArgs             # Rollout.submit's request
     batch: bool                    # the answer is a list (text / input_ids were lists)
     prompts: list[list[int]]
     fmt: str                       # routed_experts_format
-    stream: bool
     incremental: bool              # incremental streaming chunks (else SGLang's cumulative)
     text_in_logprobs: bool
-    logprob_starts: list[int]      # per prompt: first position of input_token_logprobs
     routing_dtype: str = "int32"
     t0: float = field(default_factory=time.time)
 
@@ -77,92 +82,60 @@ class GenerateCall:
     def parse(body: dict, ignored: IgnoredFields, *, tokenize: Callable[[list[str]], list[list[int]]],
               incremental_default: bool, num_experts: int = 0, routing_default: bool = False) -> "GenerateCall":
         body = GENERATE.screen(body, ignored)
-        text, ids = body.get("text"), body.get("input_ids")
-        if (text is None) == (ids is None):
-            raise ApiError(400, "give exactly one of text or input_ids", param="text")
-        if text is not None:
-            if isinstance(text, str):
-                batch, texts = False, [text]
-            elif isinstance(text, list) and text and all(isinstance(t, str) for t in text):
-                batch, texts = True, text
-            else:
-                raise ApiError(400, "text must be a string or a non-empty list of strings", param="text")
-            prompts = tokenize(texts)
-            for i, p in enumerate(prompts):
-                if not p:
-                    raise ApiError(400, f"text[{i}] encodes to no tokens: a prompt needs at least one", param="text")
-        elif isinstance(ids, list) and ids and all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-            batch, prompts = False, [ids]
-        elif isinstance(ids, list) and ids and all(isinstance(p, list) for p in ids):
-            batch, prompts = True, ids
-        else:
-            raise ApiError(400, "input_ids must be a list of token ids or a non-empty list of such lists",
-                           param="input_ids")
-        count = len(prompts)
+        batch, prompts = _prompts(body, tokenize)
         sp = body.get("sampling_params")
         if isinstance(sp, list):
             sp = [SAMPLING.screen(p, ignored) if isinstance(p, dict) else p for p in sp]
         elif isinstance(sp, dict):
             sp = SAMPLING.screen(sp, ignored)
-        return_logprob = _per_prompt(body, "return_logprob", count, (bool,), False)
-        given = _per_prompt(body, "logprob_start_len", count, (int,), -1)
-        starts = []   # where input_token_logprobs begins: SGLang's len - 1 for -1 (or past the prompt)
-        for s, p in zip(given, prompts):
-            if s < -1:
-                raise ApiError(400, f"logprob_start_len must be -1 or an integer >= 0, got {s}",
-                               param="logprob_start_len")
-            n = len(p) if isinstance(p, list) else 1
-            starts.append(s if 0 <= s < n - 1 else max(0, n - 1))
         rid = body.get("rid")
         if batch and isinstance(rid, str):
-            rid = [f"{rid}_{i}" for i in range(count)]
-        salts = [_cache_salt(s, k) for s, k in zip(_per_prompt(body, "cache_salt", count, (str,), None),
-                                                   _per_prompt(body, "extra_key", count, (str,), None))]
-        stream = typed(body, "stream", (bool,), False)
-        start_len = body.get("routed_experts_start_len")
-        kwargs = dict(input_ids=prompts, sampling_params=sp, return_logprob=return_logprob,
-                      top_logprobs_num=_per_prompt(body, "top_logprobs_num", count, (int,), 0),
-                      return_routed_experts=_per_prompt(body, "return_routed_experts", count, (bool,), routing_default),
-                      routed_experts_start_len=0 if start_len is None else start_len, rid=rid, stream=stream,
-                      routed_dp_rank=body["routed_dp_rank"] if body.get("routed_dp_rank") is not None
-                      else body.get("data_parallel_rank"), cache_salt=salts, logprob_start_len=given)
-        fmt = check_routing_format(body.get("routed_experts_format"))
-        dtype = body.get("routed_experts_dtype") or "int32"
-        if dtype not in ROW_DTYPES or (dtype != "int32" and fmt != "int32"):
-            raise ApiError(400, f"routed_experts_dtype must be one of {list(ROW_DTYPES)} (with the int32 "
-                                f"routed_experts_format), got {dtype!r}"[:300], param="routed_experts_dtype")
-        if num_experts > {"int32": 2**31, "int16": 2**15, "uint8": 2**8}[dtype]:
-            raise ApiError(400, f"routed_experts_dtype {dtype!r} cannot hold the ids of {num_experts} experts",
-                           param="routed_experts_dtype")
+            rid = [f"{rid}_{i}" for i in range(len(prompts))]
+        args = GenerateArgs(
+            input_ids=prompts, sampling_params=sp, rid=rid, stream=typed(body, "stream", (bool,), False),
+            return_logprob=_given(body, "return_logprob", False), top_logprobs_num=_given(body, "top_logprobs_num", 0),
+            logprob_start_len=_given(body, "logprob_start_len", -1),
+            return_routed_experts=_given(body, "return_routed_experts", routing_default),
+            routed_experts_start_len=_given(body, "routed_experts_start_len", 0),
+            routed_dp_rank=body["routed_dp_rank"] if body.get("routed_dp_rank") is not None
+            else body.get("data_parallel_rank"), cache_salt=_cache_salts(body, len(prompts)))
+        fmt = routing_format(body.get("routed_experts_format"))
         return GenerateCall(
-            kwargs=kwargs, routing_dtype=dtype, batch=batch, prompts=prompts, fmt=fmt,
-            stream=stream, text_in_logprobs=typed(body, "return_text_in_logprobs", (bool,), False),
-            incremental=typed(body, "incremental_streaming_output", (bool,), incremental_default),
-            logprob_starts=starts)
+            args=args, routing_dtype=_routing_dtype(body, fmt, num_experts), batch=batch, prompts=prompts, fmt=fmt,
+            text_in_logprobs=typed(body, "return_text_in_logprobs", (bool,), False),
+            incremental=typed(body, "incremental_streaming_output", (bool,), incremental_default))
+
+    @property
+    def stream(self) -> bool:
+        return self.args.stream
+
+    @functools.cached_property
+    def logprob_starts(self) -> list[int]:
+        """Per prompt: where input_token_logprobs begins, SGLang's len - 1 for -1 (or past the prompt).
+        Read once the front end has accepted the request (its values are checked there)."""
+        given = self.args.per_prompt("logprob_start_len", len(self.prompts))
+        return [s if 0 <= s < len(p) - 1 else max(0, len(p) - 1) for s, p in zip(given, self.prompts)]
 
     # ---- results -------------------------------------------------------------------------------------
-    def token_entry(self, decode: Callable[[int], str]) -> Callable[[float, int], list]:
+    def token_entry(self, decode: Callable[[int], str]) -> Callable[[Any, int], list]:
         if self.text_in_logprobs:
             return lambda lp, t: [lp, t, decode(t)]
         return lambda lp, t: [lp, t, None]
 
     def meta_info(self, out: RolloutOutput, prompt: int, decode: Callable[[int], str]) -> dict[str, Any]:
         """SGLang's meta_info for a finished request (e2e_latency from the request's arrival)."""
-        meta = out.meta_info(self.fmt, self.routing_dtype)
+        logprobs = out.output_logprobs is not None
+        meta = out.meta_info(self.fmt, self.routing_dtype, token_entry=self.token_entry(decode) if logprobs else None)
         meta["total_retractions"] = out.num_retractions
         meta["e2e_latency"] = time.time() - self.t0
-        if out.output_logprobs is not None:
-            entry = self.token_entry(decode)
-            meta["output_token_logprobs"] = [entry(lp, t) for lp, t in zip(out.output_logprobs, out.output_ids)]
+        if logprobs:
             meta.update(self.input_logprobs(prompt, out.output_top_logprobs is not None, decode,
                                             out.input_logprobs, out.input_top_logprobs))
-            if out.output_top_logprobs is not None:
-                meta["output_top_logprobs"] = [[entry(lp, t) for lp, t in row] for row in out.output_top_logprobs]
         return meta
 
-    def encode_routing(self, rows: Any, start: int, info: Any) -> str:
-        """[rows, L, K] ids in this request's wire format (int32 / compact / routed_experts_dtype)."""
-        return encode_rows(rows, self.fmt, start, info, self.routing_dtype)
+    def progress_meta(self, rid: str, prompt: int, completion_tokens: int, weight_version: str) -> dict[str, Any]:
+        """An unfinished stream chunk's meta_info head."""
+        return progress_meta(rid, len(self.prompts[prompt]), completion_tokens, weight_version)
 
     def input_logprobs(self, prompt: int, top: bool, decode: Callable[[int], str], values: Optional[list] = None,
                        tops: Optional[list] = None) -> dict[str, Any]:
@@ -180,11 +153,56 @@ class GenerateCall:
         return out
 
 
-def _cache_salt(salt: Optional[str], extra_key: Optional[str]) -> Optional[str]:
-    """cache_salt and extra_key both isolate the prefix cache (as SGLang combines them)."""
-    if salt is None and extra_key is None:
+def _prompts(body: dict, tokenize: Callable[[list[str]], list[list[int]]]) -> tuple[bool, list]:
+    """(whether the answer is a list, the prompts' token ids) from text or input_ids."""
+    text, ids = body.get("text"), body.get("input_ids")
+    if (text is None) == (ids is None):
+        raise ApiError(400, "give exactly one of text or input_ids", param="text")
+    if text is not None:
+        if isinstance(text, str):
+            batch, texts = False, [text]
+        elif isinstance(text, list) and text and all(isinstance(t, str) for t in text):
+            batch, texts = True, text
+        else:
+            raise ApiError(400, "text must be a string or a non-empty list of strings", param="text")
+        prompts = tokenize(texts)
+        for i, p in enumerate(prompts):
+            if not p:
+                raise ApiError(400, f"text[{i}] encodes to no tokens: a prompt needs at least one", param="text")
+        return batch, prompts
+    if isinstance(ids, list) and ids and all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        return False, [ids]
+    if isinstance(ids, list) and ids and all(isinstance(p, list) for p in ids):
+        return True, ids
+    raise ApiError(400, "input_ids must be a list of token ids or a non-empty list of such lists", param="input_ids")
+
+
+def _routing_dtype(body: dict, fmt: str, num_experts: int) -> str:
+    dtype = body.get("routed_experts_dtype") or "int32"
+    if dtype not in ROW_DTYPES or (dtype != "int32" and fmt != "int32"):
+        raise ApiError(400, f"routed_experts_dtype must be one of {list(ROW_DTYPES)} (with the int32 "
+                            f"routed_experts_format), got {dtype!r}"[:300], param="routed_experts_dtype")
+    if num_experts > {"int32": 2**31, "int16": 2**15, "uint8": 2**8}[dtype]:
+        raise ApiError(400, f"routed_experts_dtype {dtype!r} cannot hold the ids of {num_experts} experts",
+                       param="routed_experts_dtype")
+    return dtype
+
+
+def _cache_salts(body: dict, count: int) -> Any:
+    """cache_salt and extra_key both isolate the prefix cache (as SGLang combines them); per prompt."""
+    salt, key = body.get("cache_salt"), body.get("extra_key")
+    if salt is None and key is None:
         return None
-    return f"{len(salt or '')}:{salt or ''}|{extra_key or ''}"
+    try:
+        pairs = zip(per_prompt("cache_salt", salt, count), per_prompt("extra_key", key, count))
+    except ValueError as exc:
+        raise ApiError(400, str(exc), param=str(exc).split(" ", 1)[0]) from None
+    out = []
+    for s, k in pairs:
+        typed({"cache_salt": s}, "cache_salt", (str,), None)
+        typed({"extra_key": k}, "extra_key", (str,), None)
+        out.append(None if s is None and k is None else f"{len(s or '')}:{s or ''}|{k or ''}")
+    return out
 
 
 def as_response(call: GenerateCall, outs: list[RolloutOutput], index: dict[str, int],

@@ -10,15 +10,13 @@ from starlette.responses import Response
 from rollout.frontend.api import Rollout
 from rollout.frontend.engine_client import RidInFlightError
 from rollout.server.args import ServerArgs
-from rollout.server.engine_stream import EngineStream
+from rollout.frontend.async_generation import EngineStream
 from rollout.server.generate_request import ERROR_PARAMS, GenerateCall, as_response
 from rollout.server.generate_stream import GenerateStream
-from rollout.server.ignored_fields import IgnoredFields
+from rollout.server.request_body import IgnoredFields, OFF_LOOP_CHARS, read_json, TextBound
 from rollout.server.metrics import Metrics
-from rollout.server.request_body import read_json
 from rollout.server.responses import (ApiError, JSONBytesResponse, SSEResponse, dumps_bytes, large_answer,
                                      param_of)
-from rollout.server.text_bound import OFF_LOOP_CHARS, TextBound
 
 RID_IN_FLIGHT = "rid_in_flight_error"   # the error type clients retry on (the rid's earlier try is not done)
 
@@ -53,7 +51,7 @@ def add_generate_routes(app: FastAPI, *, engine: Rollout, args: ServerArgs, metr
         else:
             call = parse_generate(body)
         try:
-            es = EngineStream(engine, **call.kwargs)
+            es = EngineStream(engine, call.args)
         except ValueError as exc:
             err = _engine_error(exc, ERROR_PARAMS)
             if body.get("text") is not None and err.param == "input_ids":

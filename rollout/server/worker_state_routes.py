@@ -10,8 +10,7 @@ from fastapi import FastAPI
 from starlette.requests import Request
 from starlette.responses import Response
 
-from rollout.server.ignored_fields import FieldPolicy, IgnoredFields
-from rollout.server.request_body import read_json
+from rollout.server.request_body import FieldPolicy, IgnoredFields, read_json
 from rollout.server.responses import ApiError, json_response
 
 WEIGHTS_BY_NAME = FieldPolicy(endpoint="/get_weights_by_name", acted=frozenset({"name", "truncate_size"}))
