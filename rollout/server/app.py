@@ -39,7 +39,7 @@ from rollout.server.generate_routes import add_generate_routes
 from rollout.server.graceful_server import GracefulServer, ShutdownState
 from rollout.server.guard import Guard, timed_protocol
 from rollout.server.health import add_health_routes
-from rollout.server.request_body import IgnoredFields
+from rollout.server.http_io import IgnoredFields
 from rollout.server.metrics import Metrics, add_metrics_route
 from rollout.server.openai_routes import add_openai_routes
 from rollout.server.openai_serving import OpenAIServing

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any, Callable, Optional
 
 from rollout.generate_io import RolloutOutput
-from rollout.server.responses import ApiError
+from rollout.server.http_io import ApiError
 
 
 class CompletionEcho:

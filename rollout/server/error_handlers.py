@@ -12,7 +12,7 @@ from rollout.frontend.engine_client import WeightsInconsistentError
 from rollout.server.args import ServerArgs
 from rollout.frontend.async_generation import ClientGone
 from rollout.server.guard import WEIGHT_PATHS, BodyTooLarge
-from rollout.server.responses import ApiError, error_body, json_response
+from rollout.server.http_io import ApiError, error_body, json_response
 from rollout.server.weight_updater import WeightUpdateError
 
 

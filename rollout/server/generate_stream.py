@@ -9,15 +9,17 @@ since the previous chunk with `routed_experts_start` (their absolute position).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, AsyncIterator, Callable, Union
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Union
 
 from capture.codec import encode_engine_rows
 from rollout.frontend.api import EngineDeadError
-from rollout.server.generate_request import GenerateCall
 from rollout.frontend.async_generation import EngineStream
-from rollout.server.responses import error_body, sse
+from rollout.server.http_io import error_body, sse
 from rollout.generate_io import StreamChunk
 
+
+if TYPE_CHECKING:   # NOTE: generate_routes imports this module to answer streams
+    from rollout.server.generate_routes import GenerateCall
 
 class _Progress:
     """What one request has streamed so far (cumulative mode keeps it all)."""

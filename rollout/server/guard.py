@@ -27,7 +27,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from rollout.server.args import ServerArgs
 from rollout.server.heap_trim import TRIM_AFTER_BYTES, trim_heap
 from rollout.server.metrics import Metrics
-from rollout.server.responses import error_body
+from rollout.server.http_io import error_body
 
 WEIGHT_PATHS = frozenset({"/update_weights_from_disk", "/update_weights_from_tensor", "/init_weights_update_group",
                           "/update_weights_from_distributed", "/destroy_weights_update_group",

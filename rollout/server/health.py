@@ -17,7 +17,7 @@ from starlette.responses import Response
 
 from rollout.frontend.async_generation import EngineStream
 from rollout.generate_io import GenerateArgs
-from rollout.server.responses import error_body, json_response
+from rollout.server.http_io import error_body, json_response
 
 HEALTH_CHECK_TIMEOUT_S = 20.0   # SGLang's default HEALTH_CHECK_TIMEOUT
 

@@ -10,7 +10,7 @@ from starlette.responses import Response
 
 from rollout.frontend.api import Rollout
 from rollout.generate_io import RolloutOutput
-from rollout.server.request_body import IgnoredFields
+from rollout.server.http_io import IgnoredFields
 
 
 class Metrics:

@@ -14,10 +14,8 @@ from rollout.generate_io import GenerateArgs, RolloutOutput, StreamChunk
 from rollout.server.completion_echo import CompletionEcho
 from rollout.frontend.async_generation import EngineStream
 from rollout.frontend.api import EngineDeadError
-from rollout.server.responses import (ApiError, JSONBytesResponse, SSEResponse, dumps_bytes, error_body, large_answer,
-                                     param_of, sse)
-from rollout.server.generate_request import routing_format
-from rollout.server.request_body import OFF_LOOP_CHARS, TextBound
+from rollout.server.http_io import (OFF_LOOP_CHARS, ApiError, JSONBytesResponse, SSEResponse, TextBound, dumps_bytes,
+                                    error_body, large_answer, param_of, routing_format, sse)
 
 # NOTE: "stream_options", "user", "metadata" and similar OpenAI fields that do not change the
 # output are accepted and ignored, like other OpenAI-compatible servers do.
