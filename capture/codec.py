@@ -11,43 +11,15 @@ Formats (``RoutedExpertsFormat``):
     decoding needs ``num_layers`` and ``top_k``.
 
 ``compact``
-    base64 of ``header + layer bitmap + payload``, little-endian everywhere::
-
-        offset size  field
-        0      4     magic  b"REXC"
-        4      1     version (2)
-        5      1     payload dtype code (table below)
-        6      2     num_layers   (u16)
-        8      2     top_k        (u16)
-        10     4     rows         (u32)
-        14     8     start        (u64) absolute position of row 0 (routed_experts_start_len)
-        22     ceil(num_layers / 8)  present-layer bitmap, bit i of byte j = layer 8*j + i
-        ...    rows * len(layer_ids) * top_k * itemsize   payload [rows, len(layer_ids), top_k]
-
-    Only the layers in ``layer_ids`` (the MoE layers) are carried; every other layer decodes as
-    all -1. ``encode_routed_experts(..., layer_ids=None)`` derives the list from the tensor: the
-    layers holding any id >= 0, or all layers when there is none (``rows == 0``, or every entry
-    is -1): nothing to derive from, and the list is never empty. An explicit ``layer_ids`` must
-    be a non-empty set of ids in ``[0, num_layers)``; a layer left out of it must be all -1, else
-    ``ValueError`` (never a silent drop). Layers in ``layer_ids`` may still hold -1 entries.
-
-    The payload dtype is chosen per message, from ``num_experts`` and the carried payload
-    (the layers in the bitmap only), first rule that applies::
-
-        code  dtype  "none" (-1) stored as   chosen when
-        3     uint8  (no sentinel)           num_experts <= 256 and the payload holds no -1
-        1     uint8  255                     num_experts <= 255 (payload holds -1)
-        2     int16  -1                      otherwise (num_experts <= 32768)
-
-    Code 3 is preferred whenever it applies, also for <= 255 experts: in MoE layers every real
-    token has ``top_k`` valid ids and dense layers are dropped through the bitmap, so the
-    sentinel is usually not needed, and 256-expert models (DeepSeek-V3) fit one byte per id.
-    A -1 inside a carried layer (padding rows, an all -1 tensor, an explicit ``layer_ids`` entry
-    for an all -1 layer) moves a 256-expert message to int16. Decoders must read the code byte:
-    the same uint8 byte 255 is id 255 under code 3 and "none" under code 1.
-    ``CompactHeader.dtype`` is the payload dtype (uint8 for codes 1 and 3).
-
-    Version 1 (codes 1 and 2 only, so 256 experts always went to int16) is rejected on decode.
+    base64 of ``header + layer bitmap + payload`` (layout: capture/compact_header.py). Only the
+    layers in ``layer_ids`` (the MoE layers) are carried; every other layer decodes as all -1.
+    ``encode_routed_experts(..., layer_ids=None)`` derives the list from the tensor: the layers
+    holding any id >= 0, or all layers when there is none (``rows == 0``, or every entry is -1):
+    nothing to derive from, and the list is never empty. An explicit ``layer_ids`` must be a
+    non-empty set of ids in ``[0, num_layers)``; a layer left out of it must be all -1, else
+    ``ValueError`` (never a silent drop). Layers in ``layer_ids`` may still hold -1 entries. The
+    payload dtype is chosen per message from ``num_experts`` and the carried payload
+    (compact_header.py's table): uint8 without a sentinel when it fits, else with, else int16.
 
     ``narrowest_dtype(num_experts)`` is a different thing: the dtype that holds every id *plus*
     a sentinel, whatever the data (uint8 up to 255 experts, int16 up to 32768). The host store
@@ -72,31 +44,24 @@ import torch
 from capture.compact_header import (CODE_I16, CODE_TO_DTYPE, CODE_U8, CODE_U8_NONE, FIXED, MAGIC, NP_DTYPE,
                                     U8_NONE, VERSION, CompactHeader, bitmap_len, parse_header)
 
-__all__ = [
-    "RoutedExpertsFormat",
-    "CompactHeader",
-    "encode_routed_experts",
-    "encode_engine_rows",
-    "ROW_DTYPES",
-    "decode_routed_experts",
-    "compact_header",
-    "narrowest_dtype",
-]
+__all__ = ["RoutedExpertsFormat", "CompactHeader", "encode_routed_experts", "encode_engine_rows", "ROW_DTYPES",
+           "decode_routed_experts", "compact_header", "narrowest_dtype"]
 
 
 class RoutedExpertsFormat(str, enum.Enum):
+    """The routing wire formats: the one list every endpoint and client checks against."""
+
     INT32 = "int32"
     COMPACT = "compact"
 
     @classmethod
     def parse(cls, fmt: Union[str, "RoutedExpertsFormat"]) -> "RoutedExpertsFormat":
+        """The format named by fmt, or ValueError naming the allowed ones."""
         try:
             return cls(fmt)
         except ValueError:
-            allowed = [f.value for f in cls]
-            raise ValueError(
-                f"routed_experts_format must be one of {allowed}, got {fmt!r}"
-            ) from None
+            raise ValueError(f"routed_experts_format must be one of {[f.value for f in cls]}, "
+                             f"got {fmt!r}"[:300]) from None
 
 
 def narrowest_dtype(num_experts: int) -> torch.dtype:

@@ -1,6 +1,37 @@
-"""The compact routed-experts format's header (capture/codec.py describes the whole format):
-its layout constants, `CompactHeader`, and the parser that checks a header against the
-message's length."""
+"""The compact routed-experts format's header: its layout constants, `CompactHeader`, and the
+parser that checks a header against the message's length (capture/codec.py encodes and decodes).
+
+base64 of ``header + layer bitmap + payload``, little-endian everywhere::
+
+    offset size  field
+    0      4     magic  b"REXC"
+    4      1     version (2)
+    5      1     payload dtype code (table below)
+    6      2     num_layers   (u16)
+    8      2     top_k        (u16)
+    10     4     rows         (u32)
+    14     8     start        (u64) absolute position of row 0 (routed_experts_start_len)
+    22     ceil(num_layers / 8)  present-layer bitmap, bit i of byte j = layer 8*j + i
+    ...    rows * len(layer_ids) * top_k * itemsize   payload [rows, len(layer_ids), top_k]
+
+The payload dtype is chosen per message, from ``num_experts`` and the carried payload
+(the layers in the bitmap only), first rule that applies::
+
+    code  dtype  "none" (-1) stored as   chosen when
+    3     uint8  (no sentinel)           num_experts <= 256 and the payload holds no -1
+    1     uint8  255                     num_experts <= 255 (payload holds -1)
+    2     int16  -1                      otherwise (num_experts <= 32768)
+
+Code 3 is preferred whenever it applies, also for <= 255 experts: in MoE layers every real
+token has ``top_k`` valid ids and dense layers are dropped through the bitmap, so the
+sentinel is usually not needed, and 256-expert models (DeepSeek-V3) fit one byte per id.
+A -1 inside a carried layer (padding rows, an all -1 tensor, an explicit ``layer_ids`` entry
+for an all -1 layer) moves a 256-expert message to int16. Decoders must read the code byte:
+the same uint8 byte 255 is id 255 under code 3 and "none" under code 1.
+``CompactHeader.dtype`` is the payload dtype (uint8 for codes 1 and 3).
+
+Version 1 (codes 1 and 2 only, so 256 experts always went to int16) is rejected on decode.
+"""
 from __future__ import annotations
 
 import struct

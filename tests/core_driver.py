@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from rollout.core.engine_core import EngineCore
 from rollout.frontend.request_state import RequestState, RoutingShape
-from rollout.output import RolloutOutput
+from rollout.generate_io import RolloutOutput
 from rollout.core.request import Req
 
 

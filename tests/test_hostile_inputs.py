@@ -26,9 +26,8 @@ from rollout.ipc.temp_dirs import remove_stale_dirs
 from rollout.models.loader import _checkpoint_files
 from rollout.sampling_params import SamplingParams
 from rollout.server.args import ServerArgs
-from rollout.server.guard import Guard
+from rollout.server.guard import Guard, timed_protocol
 from rollout.server.metrics import Metrics
-from rollout.server.timed_protocol import timed_protocol
 
 pytestmark = pytest.mark.timeout(600)
 CATASTROPHIC = "([\\s\\S]+)+\u0000"

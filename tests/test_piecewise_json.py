@@ -7,8 +7,7 @@ import orjson
 import pytest
 
 from rollout.server.piecewise_json import piecewise_loads
-from rollout.server.request_body import parse_json_body
-from rollout.server.responses import ApiError
+from rollout.server.http_io import ApiError, parse_json_body
 
 ALPHABET = ["a", "b", "0", "f", " ", "\n", "\t", '"', "\\", "/", "\u00e9", "\u4e2d", "\U0001F600", "\x01", "u"]
 
@@ -48,7 +47,7 @@ def test_what_it_cannot_take_is_a_value_error(raw):
 def test_large_bodies_read_as_small_ones(monkeypatch):
     import rollout.server.piecewise_json as pj
 
-    monkeypatch.setattr("rollout.server.request_body.LARGE_BODY_BYTES", 64)
+    monkeypatch.setattr("rollout.server.http_io.LARGE_BODY_BYTES", 64)
     monkeypatch.setattr(pj, "LONG_STRING_BYTES", 16)
     monkeypatch.setattr(pj, "PIECE_BYTES", 32)
     text = "caf\u00e9 \U0001F600 " * 40

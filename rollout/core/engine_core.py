@@ -28,7 +28,7 @@ from rollout.core.scheduler import Scheduler
 from rollout.exact import make_exact
 from rollout.exec.model_runner import ModelRunner, RunnerPlan
 from rollout.exec.runners.capture_profiler import GraphCaptureProfiler
-from rollout.finish_reason import FinishReason
+from rollout.generate_io import FinishReason
 from rollout.host_malloc import tune_glibc_malloc
 from rollout.ipc.messages import ReqUpdate
 from rollout.models.attention_backend import make_attention_backend

@@ -16,7 +16,7 @@ import torch
 from rollout.batch.host_device import to_device
 from rollout.core.request import Req, ReqStatus
 from rollout.exec.sampler import sample
-from rollout.finish_reason import FinishReason
+from rollout.generate_io import FinishReason
 from rollout.ipc.messages import ReqUpdate, floats, ints
 
 logger = logging.getLogger(__name__)

@@ -13,7 +13,7 @@ from typing import Any, Iterator, Optional
 
 import torch
 
-from rollout.finish_reason import FinishReason
+from rollout.generate_io import FinishReason
 from rollout.sampling_params import SamplingParams
 
 

@@ -16,24 +16,18 @@ import torch
 
 from capture.capturer import GatherLayout
 from rollout.config import EngineConfig
-from rollout.frontend.async_generation import AsyncGeneration
-from rollout.frontend.async_inbox import AsyncInbox
+from rollout.frontend.async_generation import AsyncGeneration, AsyncInbox, LoopFeeders
 from rollout.frontend.engine_client import EngineClient, EngineDeadError
-from rollout.frontend.loop_feeder import LoopFeeder
-from rollout.frontend.request_builder import ParamsArg, RequestBuilder
-from rollout.frontend.request_state import RequestState, RoutingShape
-from rollout.frontend.request_table import RequestTable
-from rollout.frontend.submission import Submission
+from rollout.frontend.request_builder import Groups, ParamsArg, RequestBuilder
+from rollout.frontend.request_state import RequestTable, RoutingShape
+from rollout.generate_io import GenerateArgs, RolloutOutput, StreamChunk, Submission
 from rollout.frontend.weight_control import WeightControl
-from rollout.ipc.messages import ReqSpec, ReqUpdate
+from rollout.ipc.messages import ReqUpdate
 from rollout.models.registry import architecture_of, model_class, read_config, resolve_dtype
-from rollout.output import RolloutOutput
-from rollout.stream_chunk import StreamChunk
 from rollout.tokenizer import Tokenizer
 
 __all__ = ["AsyncGeneration", "EngineDeadError", "Rollout"]
 logger = logging.getLogger(__name__)
-Groups = list[list[tuple[ReqSpec, RequestState]]]
 
 
 class Rollout(WeightControl):
@@ -62,8 +56,7 @@ class Rollout(WeightControl):
         self.info = self._model_cls.spec_from_config(hf_cfg, gen).info
         self.tokenizer = Tokenizer(config.resolved_tokenizer_path)
         self._requests = RequestTable()
-        self._feeders: dict[Any, LoopFeeder] = {}   # event loop -> its feeder (async_inbox)
-        self._feeders_lock = threading.Lock()
+        self._feeders = LoopFeeders()
         self._dead_listeners: list[Callable[[str], None]] = []
         self._meta_model: Optional[torch.nn.Module] = None
         self._stopping = False
@@ -129,9 +122,6 @@ class Rollout(WeightControl):
             raise EngineDeadError(f"engine stopped: {reason}")
 
     # ---- submitting ----------------------------------------------------------------------------
-    def _build(self, *args: Any) -> Groups:
-        return self._builder.build(*args)
-
     def _submit(self, groups: Groups, sink: Callable[[Any], None]) -> Submission:
         self._check_alive()
         states = [st for group in groups for _, st in group]
@@ -144,24 +134,16 @@ class Rollout(WeightControl):
         return Submission.of([[st.rid for _, st in group] for group in groups])
 
     # ---- public API ----------------------------------------------------------------------------
-    def generate(self, prompts: Any = None, sampling_params: ParamsArg = None, *, input_ids: Any = None,
-                 return_logprob: bool = False, top_logprobs_num: int = 0, return_routed_experts: bool = False,
-                 routed_experts_start_len: Any = 0, rid: Any = None, stream: bool = False,
-                 routed_dp_rank: Any = None, cache_salt: Any = None,
-                 logprob_start_len: Any = -1) -> Union[list[RolloutOutput], Iterator[StreamChunk]]:
+    def generate(self, prompts: Any = None, sampling_params: ParamsArg = None,
+                 **options: Any) -> Union[list[RolloutOutput], Iterator[StreamChunk]]:
         """Outputs in prompt order (each prompt's n samples together); stream=True yields chunks.
-
-        routed_dp_rank (dp_size > 1): pin the requests (or each prompt, given a list) to one DP rank;
-        None lets the engine pick the least loaded rank. cache_salt: requests share prefix-cache
-        entries (KV and routing rows) only with requests of the same salt (None: the shared space).
-        logprob_start_len >= 0 (with return_logprob): the outputs' input_logprobs hold the raw
-        logprobs of prompt tokens logprob_start_len+1 .. len-1."""
-        groups = self._build(prompts, input_ids, sampling_params, return_logprob, top_logprobs_num,
-                             return_routed_experts, routed_experts_start_len, rid, stream, routed_dp_rank,
-                             cache_salt, logprob_start_len)
+        options: the other fields of GenerateArgs (rollout/generate_io.py), keyword only; prompts
+        may instead be a whole GenerateArgs."""
+        args = GenerateArgs.of(prompts, sampling_params, options)
+        groups = self._builder.build(args)
         q: "queue.Queue[Any]" = queue.Queue()
         rids = self._submit(groups, q.put).rids
-        if stream:
+        if args.stream:
             return self._iter_chunks(q, set(rids))
         finals: dict[str, RolloutOutput] = {}
         while len(finals) < len(rids):
@@ -190,40 +172,21 @@ class Rollout(WeightControl):
     def async_inbox(self) -> AsyncInbox:
         """An inbox on the running event loop; pass its `sink` to submit(). Items of one engine step
         reach the loop in one wake-up (LoopFeeder)."""
-        import asyncio  # noqa: PLC0415
+        return self._feeders.inbox()
 
-        loop = asyncio.get_running_loop()
-        with self._feeders_lock:
-            feeder = self._feeders.get(loop)
-            if feeder is None:
-                for old in [lp for lp in self._feeders if lp.is_closed()]:
-                    del self._feeders[old]
-                feeder = self._feeders[loop] = LoopFeeder(loop)
-        return feeder.inbox()
-
-    def async_generate(self, prompts: Any = None, sampling_params: ParamsArg = None, *, input_ids: Any = None,
-                       return_logprob: bool = False, top_logprobs_num: int = 0, return_routed_experts: bool = False,
-                       routed_experts_start_len: Any = 0, rid: Any = None, stream: bool = False,
-                       routed_dp_rank: Any = None, cache_salt: Any = None,
-                       logprob_start_len: Any = -1) -> AsyncGeneration:
+    def async_generate(self, prompts: Any = None, sampling_params: ParamsArg = None,
+                       **options: Any) -> AsyncGeneration:
         """`await engine.async_generate(...)` -> outputs; `async for c in engine.async_generate(..., stream=True)`."""
-        groups = self._build(prompts, input_ids, sampling_params, return_logprob, top_logprobs_num,
-                             return_routed_experts, routed_experts_start_len, rid, stream, routed_dp_rank,
-                             cache_salt, logprob_start_len)
-        return AsyncGeneration(lambda sink: self._submit(groups, sink), self.async_inbox, stream)
+        args = GenerateArgs.of(prompts, sampling_params, options)
+        groups = self._builder.build(args)
+        return AsyncGeneration(lambda sink: self._submit(groups, sink), self.async_inbox, args.stream)
 
-    def submit(self, sink: Callable[[Any], None], prompts: Any = None, sampling_params: ParamsArg = None, *,
-               input_ids: Any = None, return_logprob: bool = False, top_logprobs_num: int = 0,
-               return_routed_experts: bool = False, routed_experts_start_len: Any = 0, rid: Any = None,
-               stream: bool = False, routed_dp_rank: Any = None, cache_salt: Any = None,
-               logprob_start_len: Any = -1) -> Submission:
+    def submit(self, sink: Callable[[Any], None], prompts: Any = None, sampling_params: ParamsArg = None,
+               **options: Any) -> Submission:
         """Validates and queues like generate(); sink(item) is then called on the client's receiver
         thread with each StreamChunk (stream) or RolloutOutput, or an exception. Returns the
         request ids in output order (prompt-major) with each one's prompt index."""
-        groups = self._build(prompts, input_ids, sampling_params, return_logprob, top_logprobs_num,
-                             return_routed_experts, routed_experts_start_len, rid, stream, routed_dp_rank,
-                             cache_salt, logprob_start_len)
-        return self._submit(groups, sink)
+        return self._submit(self._builder.build(GenerateArgs.of(prompts, sampling_params, options)), sink)
 
     def abort(self, rid: str) -> bool:
         """Aborts a request (or every sample of an n>1 request) at any stage; its output says abort.

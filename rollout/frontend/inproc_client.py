@@ -6,7 +6,6 @@ of this process: libgomp throttles every OpenMP pool once more OpenMP threads ex
 """
 from __future__ import annotations
 
-import itertools
 import logging
 import queue
 import threading
@@ -16,7 +15,7 @@ from typing import Any, Callable, Optional
 from rollout.config import EngineConfig
 from rollout.core.engine_proc import EngineLoop
 from rollout.core.engine_core import EngineCore
-from rollout.frontend.engine_client import DeadCallback, EngineDeadError, UpdatesCallback, raise_reply
+from rollout.frontend.engine_client import DeadCallback, EngineDeadError, PendingCalls, UpdatesCallback
 from rollout.ipc.messages import AbortReqs, AddReqs, Call, FromEngine, ReqSpec, Shutdown, StepOut, ToEngine
 
 
@@ -53,8 +52,7 @@ class InprocClient:
         self._on_updates = on_updates
         self._on_dead = on_dead
         self._dead: Optional[str] = None
-        self._calls: dict[int, Future] = {}
-        self._call_ids = itertools.count(1)
+        self._calls = PendingCalls(1)
         self.steps_done = 0
         self._endpoint = _QueueEndpoint(self)
         ready: Future = Future()
@@ -87,22 +85,12 @@ class InprocClient:
         if msg.updates:
             self._on_updates(msg.updates)
         for reply in msg.replies:
-            fut = self._calls.pop(reply.call_id, None)
-            if fut is None:
-                continue
-            try:
-                raise_reply(reply.error, reply.error_type)
-                fut.set_result(reply.result)
-            except Exception as exc:  # noqa: BLE001
-                fut.set_exception(exc)
+            self._calls.resolve(reply)
 
     def _die(self, reason: str) -> None:
         if self._dead is None:
             self._dead = reason
-        for fut in list(self._calls.values()):
-            if not fut.done():
-                fut.set_exception(EngineDeadError(self._dead))
-        self._calls.clear()
+        self._calls.fail_all(self._dead)
         self._on_dead(self._dead)
 
     @property
@@ -124,20 +112,14 @@ class InprocClient:
         if self._dead is None and uids:
             self._endpoint.inbox.put(AbortReqs(list(uids), message))
 
-    def _wait(self, fut: Future) -> Any:
-        while True:
-            try:
-                return fut.result(timeout=0.5)
-            except TimeoutError:
-                self._check()
-
     def call(self, method: str, *args: Any) -> list[Any]:
         self._check()
-        call_id = next(self._call_ids)
-        fut: Future = Future()
-        self._calls[call_id] = fut
-        self._endpoint.inbox.put(Call(call_id, method, list(args)))
-        return [self._wait(fut)]
+        call_id, futures = self._calls.open()
+        try:
+            self._endpoint.inbox.put(Call(call_id, method, list(args)))
+            return self._calls.wait(futures, self._check)
+        finally:
+            self._calls.close(call_id)
 
     def debug(self, fn: Callable[[EngineCore], Any]) -> Any:
         """fn(core) on the engine thread between steps (tests and debugging only)."""
@@ -151,7 +133,7 @@ class InprocClient:
                 fut.set_exception(exc)
 
         self._endpoint.inbox.put(run)
-        return self._wait(fut)
+        return PendingCalls.wait([fut], self._check)[0]
 
     def close(self) -> None:
         if self._thread.is_alive():

@@ -9,7 +9,6 @@ the front end hears `on_dead` and every waiting call raises EngineDeadError.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import json
 import logging
 import os
@@ -17,13 +16,12 @@ import subprocess
 import sys
 import threading
 import time
-from concurrent.futures import Future
 from typing import Any, Optional
 
 import zmq
 
 from rollout.config import EngineConfig
-from rollout.frontend.engine_client import DeadCallback, EngineDeadError, UpdatesCallback, raise_reply
+from rollout.frontend.engine_client import DeadCallback, EngineDeadError, PendingCalls, UpdatesCallback
 from rollout.ipc.messages import AbortReqs, AddReqs, Call, Fatal, Ready, ReqSpec, Shutdown, StepOut
 from rollout.ipc.temp_dirs import remove_dirs_of, remove_stale_dirs
 from rollout.ipc.transport import FrontSockets, IpcDirectory
@@ -95,8 +93,7 @@ class ProcessClient:
         self._on_dead = on_dead
         self._dead: Optional[str] = None
         self._lock = threading.Lock()
-        self._calls: dict[int, list[Future]] = {}       # call id -> one future per rank
-        self._call_ids = itertools.count(1)
+        self._calls = PendingCalls(self.dp_size)
         self._owner: dict[int, int] = {}                 # uid -> rank
         self._load = [0] * self.dp_size
         self._steps = [0] * self.dp_size
@@ -126,7 +123,6 @@ class ProcessClient:
             raise
         self.kv_capacity = min(r["kv_capacity"] for r in ready)
         self.context_length = ready[0]["context_length"]
-        self.weight_version = ready[0]["weight_version"]
         self._thread = threading.Thread(target=self._receive, name="rollout-engine-client", daemon=True)
         self._thread.start()
 
@@ -207,19 +203,7 @@ class ProcessClient:
                         upd.finish_message = self._dead_ranks_text() or upd.finish_message
             self._on_updates(msg.updates)
         for reply in msg.replies:
-            with self._lock:
-                futures = self._calls.get(reply.call_id)
-            if futures is None:
-                continue
-            fut = futures[rank]
-            if not fut.done():
-                if reply.error is not None:
-                    try:
-                        raise_reply(reply.error, reply.error_type)
-                    except Exception as exc:  # noqa: BLE001
-                        fut.set_exception(exc)
-                else:
-                    fut.set_result(reply.result)
+            self._calls.resolve(reply, rank)
 
     def _die(self, dead_ranks: list[int], fatal: list[str]) -> None:
         parts = []
@@ -235,11 +219,7 @@ class ProcessClient:
             if self._dead is not None:
                 return
             self._dead = reason
-            calls = list(self._calls.values())
-        for futures in calls:
-            for fut in futures:
-                if not fut.done():
-                    fut.set_exception(EngineDeadError(reason))
+        self._calls.fail_all(reason)
         self._on_dead(reason)
         threading.Thread(target=self._stop_procs, daemon=True).start()
 
@@ -301,26 +281,14 @@ class ProcessClient:
 
     def call(self, method: str, *args: Any) -> list[Any]:
         self._check()
-        call_id = next(self._call_ids)
-        futures = [Future() for _ in range(self.dp_size)]
-        with self._lock:
-            self._calls[call_id] = futures
+        call_id, futures = self._calls.open()
         try:
             self._check()
             for rank in range(self.dp_size):
                 self._send(rank, Call(call_id, method, list(args)))
-            out = []
-            for fut in futures:
-                while True:
-                    try:
-                        out.append(fut.result(timeout=0.5))
-                        break
-                    except TimeoutError:
-                        self._check()
-            return out
+            return self._calls.wait(futures, self._check)
         finally:
-            with self._lock:
-                self._calls.pop(call_id, None)
+            self._calls.close(call_id)
 
     # ---- lifecycle ---------------------------------------------------------------------------
     def _stop_procs(self) -> None:
@@ -370,11 +338,6 @@ class DPClient(ProcessClient):
         if pinned is not None:
             return pinned
         return min(range(self.dp_size), key=lambda r: (self._load[r], r))
-
-    def loads(self) -> list[int]:
-        """Requests in flight per rank (as this client placed them)."""
-        with self._lock:
-            return list(self._load)
 
 
 def _startup_error(text: str) -> BaseException:

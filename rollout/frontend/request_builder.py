@@ -19,12 +19,14 @@ import numpy as np
 from rollout.config import EngineConfig
 from rollout.frontend.engine_client import WeightsInconsistentError
 from rollout.frontend.request_state import RequestState, RoutingShape
+from rollout.generate_io import PER_PROMPT, GenerateArgs
 from rollout.ipc.messages import ReqSpec
 from rollout.sampling_params import SamplingParams
 from rollout.tokenizer import Tokenizer
 
 MAX_TOP_LOGPROBS = 64
 ParamsArg = Union[None, dict, SamplingParams, Sequence[Union[dict, SamplingParams]]]
+Groups = list[list[tuple[ReqSpec, RequestState]]]
 
 
 def derive_seed(seed: int, index: int) -> int:
@@ -93,115 +95,126 @@ class RequestBuilder:
                                  f"{self.context_length} (context_length), prompt must be shorter")
         return batch
 
-    @staticmethod
-    def _per_prompt(name: str, value: Any, count: int, scalar_types: tuple) -> list:
-        if isinstance(value, (list, tuple)) and not isinstance(value, scalar_types):
-            if len(value) != count:
-                raise ValueError(f"{name} has {len(value)} entries for {count} prompts")
-            return list(value)
-        return [value] * count
+    def build(self, args: GenerateArgs) -> Groups:
+        """Every field of args checked (each per-prompt field: one value for every prompt or a list with
+        one per prompt); per prompt, its group of (ReqSpec, RequestState), one per sample."""
+        self._check_serving()
+        batch = self._prompt_ids(args.prompts, args.input_ids)
+        count = len(batch)
+        params, explicit = self._sampling_params(args.sampling_params, count)
+        fields = {name: args.per_prompt(name, count) for name in PER_PROMPT}
+        for lp, top, route, salt in zip(*(fields[n] for n in PER_PROMPT[:4])):
+            self._check_flags(lp, top, route, salt)
+        groups: Groups = []
+        seen: set[str] = set()
+        for i, (ids, p, given) in enumerate(zip(batch, params, explicit)):
+            lp, top, route, salt, lp_start, start, rid, dp_rank = (fields[n][i] for n in PER_PROMPT)
+            lp_start = self._check_prompt(ids, p, given, lp=lp, lp_start=lp_start, start=start, rid=rid,
+                                          dp_rank=dp_rank)
+            base_rid = rid or uuid.uuid4().hex
+            seed = p.sampling_seed if p.sampling_seed is not None else self._rng.getrandbits(63)
+            children = self._children(base_rid, p.n, seen)
+            groups.append(self._group(ids, p, base_rid, children, seed, args.stream, lp=lp, top=top, route=route, salt=salt,
+                                      lp_start=lp_start, start=start, dp_rank=dp_rank))
+        return groups
 
-    def build(self, prompts: Any, input_ids: Any, sampling_params: ParamsArg, return_logprob: Any,
-              top_logprobs_num: Any, return_routed_experts: Any, routed_experts_start_len: Any, rid: Any,
-              stream: bool, routed_dp_rank: Any = None, cache_salt: Any = None,
-              logprob_start_len: Any = -1) -> list[list[tuple[ReqSpec, RequestState]]]:
-        """return_logprob, top_logprobs_num, return_routed_experts, routed_experts_start_len, rid,
-        routed_dp_rank, cache_salt and logprob_start_len: one value for every prompt or a list with
-        one per prompt."""
+    def _check_serving(self) -> None:
         if self.released_memory:
             raise ValueError(f"the server's memory is released ({', '.join(self.released_memory)}): call "
                              f"resume_memory_occupation first")
         if self.weights_inconsistent:
             raise WeightsInconsistentError(f"the weights are half-updated ({self.weights_inconsistent}); no request "
                                            f"runs until a weight update rewrites them")
-        batch = self._prompt_ids(prompts, input_ids)
-        n_prompts = len(batch)
+
+    @staticmethod
+    def _sampling_params(sampling_params: ParamsArg, count: int) -> tuple[list[SamplingParams], list[bool]]:
+        """Each prompt's SamplingParams, and whether its max_new_tokens was given."""
         if isinstance(sampling_params, (list, tuple)):
-            if len(sampling_params) != n_prompts:
-                raise ValueError(f"sampling_params has {len(sampling_params)} entries for {n_prompts} prompts")
+            if len(sampling_params) != count:
+                raise ValueError(f"sampling_params has {len(sampling_params)} entries for {count} prompts")
             params = [SamplingParams.from_any(p) for p in sampling_params]
+            raw = list(sampling_params)
         else:
-            params = [SamplingParams.from_any(sampling_params)] * n_prompts
-        raw = sampling_params if isinstance(sampling_params, (list, tuple)) else [sampling_params] * n_prompts
+            params = [SamplingParams.from_any(sampling_params)] * count
+            raw = [sampling_params] * count
         # NOTE: as SGLang, only a max_new_tokens the caller gave (in a dict) is checked against the context
-        explicit = [isinstance(r, dict) and r.get("max_new_tokens") is not None for r in raw]
-        want_lp = self._per_prompt("return_logprob", return_logprob, n_prompts, ())
-        tops = self._per_prompt("top_logprobs_num", top_logprobs_num, n_prompts, ())
-        want_routes = self._per_prompt("return_routed_experts", return_routed_experts, n_prompts, ())
-        salts = self._per_prompt("cache_salt", cache_salt, n_prompts, (str,))
-        lp_starts = self._per_prompt("logprob_start_len", logprob_start_len, n_prompts, ())
+        return params, [isinstance(r, dict) and r.get("max_new_tokens") is not None for r in raw]
+
+    def _check_flags(self, lp: Any, top: Any, route: Any, salt: Any) -> None:
         top_max = min(MAX_TOP_LOGPROBS, self.info.vocab_size)
-        for lp, top, route, salt in zip(want_lp, tops, want_routes, salts):
-            if not isinstance(lp, bool):
-                raise ValueError(f"return_logprob must be a boolean, got {lp!r}")
-            if isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= top_max:
-                raise ValueError(f"top_logprobs_num must be an integer in [0, {top_max}], got {top!r}")
-            if not isinstance(route, bool):
-                raise ValueError(f"return_routed_experts must be a boolean, got {route!r}")
-            if route and not self.config.enable_return_routed_experts:
-                raise ValueError("return_routed_experts=True needs an engine started with "
-                                 "enable_return_routed_experts=True")
-            if salt is not None and (not isinstance(salt, str) or len(salt) > 1024):
-                raise ValueError(f"cache_salt must be a string of at most 1024 characters, got {salt!r}"[:300])
-        starts = self._per_prompt("routed_experts_start_len", routed_experts_start_len, n_prompts, ())
-        rids = self._per_prompt("rid", rid, n_prompts, (str,))
-        capacity = self.kv_capacity
-        dp_ranks = self._per_prompt("routed_dp_rank", routed_dp_rank, n_prompts, ())
-        groups: list[list[tuple[ReqSpec, RequestState]]] = []
-        seen: set[str] = set()
-        for ids, p, start, r, dp_rank, lp, top, route, salt, lp_start, given in zip(
-                batch, params, starts, rids, dp_ranks, want_lp, tops, want_routes, salts, lp_starts, explicit):
-            if isinstance(lp_start, bool) or not isinstance(lp_start, int) or lp_start < -1:
-                raise ValueError(f"logprob_start_len must be -1 or an integer >= 0, got {lp_start!r}")
-            lp_start = lp_start if lp and 0 <= lp_start < len(ids) - 1 else -1
-            if lp_start >= 0 and self.config.dp_size > 1:
-                raise ValueError("logprob_start_len below the prompt length (prompt logprobs) is not supported "
-                                 "with dp_size > 1")
-            if dp_rank is not None and (isinstance(dp_rank, bool) or not isinstance(dp_rank, int)
-                                        or not 0 <= dp_rank < self.config.dp_size):
-                raise ValueError(f"routed_dp_rank must be None or an integer in [0, {self.config.dp_size}) "
-                                 f"(dp_size), got {dp_rank!r}")
-            p.check_vocab(self.info.vocab_size)
-            if isinstance(start, bool) or not isinstance(start, int) or not 0 <= start <= len(ids):
-                raise ValueError(f"routed_experts_start_len must be an integer in [0, {len(ids)}] "
-                                 f"(the prompt length), got {start!r}")
-            if given and len(ids) + p.max_new_tokens > self.context_length and not self.config.allow_auto_truncate:
-                raise ValueError(context_overflow(self.context_length, len(ids), p.max_new_tokens))
-            if len(ids) + p.max_new_tokens > capacity:
-                raise ValueError(f"max_new_tokens={p.max_new_tokens} with a {len(ids)}-token prompt needs more KV "
-                                 f"than the pool holds; prompt + max_new_tokens must be <= {capacity} (max_total_tokens)")
-            if r is not None and (not isinstance(r, str) or not r):
-                raise ValueError(f"rid must be a non-empty string, got {r!r}")
-            base_rid = r or uuid.uuid4().hex
-            seed = p.sampling_seed if p.sampling_seed is not None else self._rng.getrandbits(63)
-            engine_params = {f.name: getattr(p, f.name) for f in dataclasses.fields(p)}
-            # NOTE: stop strings and patterns are the front end's (RequestState)
-            engine_params["stop"], engine_params["stop_regex"] = (), ()
-            prompt = np.asarray(ids, dtype=np.int32).tobytes()
-            interval = p.stream_interval or self.config.stream_interval
-            group = []
-            # NOTE: sample k of an n > 1 request is `<rid>_<k>`: no id may name both a sample and a prompt
-            children = [base_rid] if p.n == 1 else [f"{base_rid}_{k}" for k in range(p.n)]
-            clash = next((c for c in [base_rid, *children] if c in seen), None)
-            if clash is not None:
-                raise ValueError(f"rid values must be unique within a call: {clash!r} names two requests (sample k "
-                                 f"of an n > 1 request is named <rid>_<k>)")
-            seen.update(children + [base_rid])
-            for k, child in enumerate(children):
-                st = RequestState(
-                    uid=next(self._uids), rid=child, group_rid=base_rid, prompt_ids=list(ids), params=p,
-                    stream=stream, stream_interval=interval, return_logprob=lp, top_logprobs_num=top,
-                    return_routed_experts=route, routed_experts_start_len=start, decode=self._decode,
-                    routing=self.routing, prompt_logprob_start=lp_start)
-                spec = ReqSpec(uid=st.uid, rid=child, prompt_ids=prompt, params=engine_params,
-                               seed=derive_seed(seed, k), return_logprob=lp, top_logprobs_num=top,
-                               return_routed_experts=route, routed_experts_start_len=start,
-                               emit_interval=st.emit_interval, max_total_len=self.context_length,
-                               routed_dp_rank=dp_rank, cache_salt=salt,
-                               prompt_logprob_start=lp_start)
-                group.append((spec, st))
-            groups.append(group)
-        return groups
+        if not isinstance(lp, bool):
+            raise ValueError(f"return_logprob must be a boolean, got {lp!r}")
+        if isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= top_max:
+            raise ValueError(f"top_logprobs_num must be an integer in [0, {top_max}], got {top!r}")
+        if not isinstance(route, bool):
+            raise ValueError(f"return_routed_experts must be a boolean, got {route!r}")
+        if route and not self.config.enable_return_routed_experts:
+            raise ValueError("return_routed_experts=True needs an engine started with "
+                             "enable_return_routed_experts=True")
+        if salt is not None and (not isinstance(salt, str) or len(salt) > 1024):
+            raise ValueError(f"cache_salt must be a string of at most 1024 characters, got {salt!r}"[:300])
+
+    def _check_prompt(self, ids: list[int], p: SamplingParams, given: bool, *, lp: bool, lp_start: Any, start: Any,
+                      rid: Any, dp_rank: Any) -> int:
+        """The prompt's other fields checked; its prompt-logprob start (-1: none)."""
+        if isinstance(lp_start, bool) or not isinstance(lp_start, int) or lp_start < -1:
+            raise ValueError(f"logprob_start_len must be -1 or an integer >= 0, got {lp_start!r}")
+        lp_start = lp_start if lp and 0 <= lp_start < len(ids) - 1 else -1
+        if lp_start >= 0 and self.config.dp_size > 1:
+            raise ValueError("logprob_start_len below the prompt length (prompt logprobs) is not supported "
+                             "with dp_size > 1")
+        if dp_rank is not None and (isinstance(dp_rank, bool) or not isinstance(dp_rank, int)
+                                    or not 0 <= dp_rank < self.config.dp_size):
+            raise ValueError(f"routed_dp_rank must be None or an integer in [0, {self.config.dp_size}) "
+                             f"(dp_size), got {dp_rank!r}")
+        p.check_vocab(self.info.vocab_size)
+        if isinstance(start, bool) or not isinstance(start, int) or not 0 <= start <= len(ids):
+            raise ValueError(f"routed_experts_start_len must be an integer in [0, {len(ids)}] "
+                             f"(the prompt length), got {start!r}")
+        if given and len(ids) + p.max_new_tokens > self.context_length and not self.config.allow_auto_truncate:
+            raise ValueError(context_overflow(self.context_length, len(ids), p.max_new_tokens))
+        if len(ids) + p.max_new_tokens > self.kv_capacity:
+            raise ValueError(f"max_new_tokens={p.max_new_tokens} with a {len(ids)}-token prompt needs more KV "
+                             f"than the pool holds; prompt + max_new_tokens must be <= {self.kv_capacity} "
+                             f"(max_total_tokens)")
+        if rid is not None and (not isinstance(rid, str) or not rid):
+            raise ValueError(f"rid must be a non-empty string, got {rid!r}")
+        return lp_start
+
+    @staticmethod
+    def _children(base_rid: str, n: int, seen: set[str]) -> list[str]:
+        """The prompt's request ids (one per sample), unique within the call."""
+        # NOTE: sample k of an n > 1 request is `<rid>_<k>`: no id may name both a sample and a prompt
+        children = [base_rid] if n == 1 else [f"{base_rid}_{k}" for k in range(n)]
+        clash = next((c for c in [base_rid, *children] if c in seen), None)
+        if clash is not None:
+            raise ValueError(f"rid values must be unique within a call: {clash!r} names two requests (sample k "
+                             f"of an n > 1 request is named <rid>_<k>)")
+        seen.update(children + [base_rid])
+        return children
+
+    def _group(self, ids: list[int], p: SamplingParams, base_rid: str, children: list[str], seed: int, stream: bool,
+               *, lp: bool, top: int, route: bool, salt: Optional[str], lp_start: int, start: int,
+               dp_rank: Optional[int]) -> list[tuple[ReqSpec, RequestState]]:
+        engine_params = {f.name: getattr(p, f.name) for f in dataclasses.fields(p)}
+        # NOTE: stop strings and patterns are the front end's (RequestState)
+        engine_params["stop"], engine_params["stop_regex"] = (), ()
+        prompt = np.asarray(ids, dtype=np.int32).tobytes()
+        interval = p.stream_interval or self.config.stream_interval
+        group = []
+        for k, child in enumerate(children):
+            st = RequestState(
+                uid=next(self._uids), rid=child, group_rid=base_rid,
+                prompt_ids=list(ids), params=p, stream=stream, stream_interval=interval, return_logprob=lp,
+                top_logprobs_num=top, return_routed_experts=route, routed_experts_start_len=start,
+                decode=self._decode, routing=self.routing, prompt_logprob_start=lp_start)
+            spec = ReqSpec(uid=st.uid, rid=child, prompt_ids=prompt, params=engine_params,
+                           seed=derive_seed(seed, k), return_logprob=lp, top_logprobs_num=top,
+                           return_routed_experts=route, routed_experts_start_len=start,
+                           emit_interval=st.emit_interval, max_total_len=self.context_length,
+                           routed_dp_rank=dp_rank, cache_salt=salt, prompt_logprob_start=lp_start)
+            group.append((spec, st))
+        return group
 
 
 def context_overflow(context_length: int, prompt_tokens: int, max_new_tokens: int) -> str:

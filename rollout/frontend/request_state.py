@@ -1,24 +1,30 @@
-"""RequestState: the front end's side of one request (text, stop strings, what reached the caller).
+"""RequestState: the front end's side of one request (text, stop strings, what reached the caller),
+and RequestTable: the requests in flight, by uid and by rid.
 
 The engine sends ReqUpdates (raw token ids, logprobs, routing rows); this turns them into the
 StreamChunks and the RolloutOutput the caller sees. Stop strings are found here: on a hit the
 output is cut after the token that completed the string (its logprobs and routing rows with it)
 and the caller is told to abort the request in the engine.
+
+Each sample of a call is one RequestState with its own integer uid (the engine's key). A rid
+finds every uid it names: a sample's rid (rid_k for the samples of an n > 1 request), and the
+caller's rid of an n > 1 request (its group_rid), which names all of its samples. The table is
+shared by the caller's threads and the engine client's receiver thread: every access holds its lock.
 """
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 import torch
 
 from rollout.frontend.detokenizer import IncrementalDetokenizer
+from rollout.frontend.engine_client import RidInFlightError
 from rollout.ipc.messages import ReqUpdate, float_list, int_list
-from rollout.output import RolloutOutput
-from rollout.finish_reason import FinishReason
+from rollout.generate_io import FinishReason, RolloutOutput, StreamChunk
 from rollout.sampling_params import SamplingParams
-from rollout.stream_chunk import StreamChunk
 
 
 @dataclass(frozen=True)
@@ -202,12 +208,6 @@ class RequestState:
         self.sent_rows = self.num_rows
         return chunk
 
-    def fail_output(self, message: str) -> RolloutOutput:
-        """What the request has, as an aborted output (its engine rank died)."""
-        upd = ReqUpdate(uid=self.uid)
-        (item,) = self._finish(FinishReason("abort", message=message), upd)
-        return item.output if isinstance(item, StreamChunk) else item
-
 
 def _top_rows(lps: np.ndarray, ids: list[list[int]]) -> list[list[tuple[float, int]]]:
     """[(logprob, id), ...] per position. NOTE: with logprob_mode "processed" a truncating top_k / top_p /
@@ -216,3 +216,79 @@ def _top_rows(lps: np.ndarray, ids: list[list[int]]) -> list[list[tuple[float, i
     if np.isneginf(lps).any():
         return [[(lp, t) for lp, t in zip(a, b) if lp != float("-inf")] for a, b in zip(lps.tolist(), ids)]
     return [list(zip(a, b)) for a, b in zip(lps.tolist(), ids)]
+
+
+Deliveries = list[tuple[Callable[[Any], None], list[Any]]]
+
+
+class RequestTable:
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._states: dict[int, RequestState] = {}
+        self._rids: dict[str, list[int]] = {}
+
+    def __len__(self) -> int:
+        return len(self._states)
+
+    def add(self, states: Sequence[RequestState], sink: Callable[[Any], None]) -> None:
+        """Registers one call's requests, all answering to sink; none if any rid is in flight."""
+        with self._lock:
+            clash = [st.rid for st in states if st.rid in self._rids or st.group_rid in self._rids]
+            if clash:
+                raise RidInFlightError(f"rid {clash[0]!r} is already in flight; rids must be unique")
+            for st in states:
+                st.sink = sink
+                self._states[st.uid] = st
+                for key in {st.rid, st.group_rid}:
+                    self._rids.setdefault(key, []).append(st.uid)
+
+    def discard(self, states: Sequence[RequestState]) -> None:
+        """Forgets requests the engine never received."""
+        with self._lock:
+            for st in states:
+                if st.uid in self._states:
+                    self._forget(st)
+
+    def apply(self, updates: list[ReqUpdate]) -> tuple[Deliveries, list[int]]:
+        """Applies the engine's updates: (sink, items) to deliver, and the uids that hit a stop
+        string (the engine must abort them). Finished requests leave the table."""
+        deliveries: Deliveries = []
+        stopped: list[int] = []
+        with self._lock:
+            for upd in updates:
+                st = self._states.get(upd.uid)
+                if st is None:
+                    continue  # NOTE: finished here already (a stop string hit); the engine's abort follows
+                items, stop_hit = st.apply(upd)
+                if stop_hit:
+                    stopped.append(upd.uid)
+                if st.done:
+                    self._forget(st)
+                if items:
+                    deliveries.append((st.sink, items))
+        return deliveries, stopped
+
+    def uids(self) -> list[int]:
+        with self._lock:
+            return list(self._states)
+
+    def uids_of(self, rids: Sequence[str]) -> list[int]:
+        with self._lock:
+            return [uid for r in rids for uid in self._rids.get(r, ())]
+
+    def clear(self) -> list[RequestState]:
+        """Empties the table (the engine died); the requests that were in it."""
+        with self._lock:
+            states = list(self._states.values())
+            self._states.clear()
+            self._rids.clear()
+        return states
+
+    def _forget(self, st: RequestState) -> None:
+        del self._states[st.uid]
+        for key in {st.rid, st.group_rid}:
+            uids = self._rids.get(key)
+            if uids is not None:
+                uids.remove(st.uid)
+                if not uids:
+                    del self._rids[key]

@@ -37,16 +37,15 @@ from rollout.server.control_routes import add_control_routes
 from rollout.server.error_handlers import add_error_handlers
 from rollout.server.generate_routes import add_generate_routes
 from rollout.server.graceful_server import GracefulServer, ShutdownState
-from rollout.server.guard import Guard
+from rollout.server.guard import Guard, timed_protocol
 from rollout.server.health import add_health_routes
-from rollout.server.ignored_fields import IgnoredFields
+from rollout.server.http_io import IgnoredFields
 from rollout.server.metrics import Metrics, add_metrics_route
 from rollout.server.openai_routes import add_openai_routes
 from rollout.server.openai_serving import OpenAIServing
 from rollout.server.request_models import install_openapi
 from rollout.server.server_info import VERSION, add_debug_routes, add_info_routes
 from rollout.server.weight_session import WeightSession, add_weight_session_routes
-from rollout.server.timed_protocol import timed_protocol
 from rollout.server.weight_updater import WeightUpdater
 from rollout.server.worker_state_routes import add_worker_state_routes
 

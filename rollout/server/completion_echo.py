@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional
 
-from rollout.output import RolloutOutput
-from rollout.server.responses import ApiError
+from rollout.generate_io import RolloutOutput
+from rollout.server.http_io import ApiError
 
 
 class CompletionEcho:

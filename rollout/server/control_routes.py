@@ -12,10 +12,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from rollout.ipc.control_values import PAUSE_MODES
-from rollout.server.generate_request import typed
-from rollout.server.ignored_fields import FieldPolicy, IgnoredFields
-from rollout.server.request_body import read_json
-from rollout.server.responses import ApiError, json_response
+from rollout.server.http_io import ApiError, FieldPolicy, IgnoredFields, json_response, read_json, typed
 from rollout.server.args import ServerArgs
 from rollout.server.weight_updater import WeightUpdateError, WeightUpdater
 
@@ -55,6 +52,14 @@ def _port(value: Any) -> Any:
 def add_control_routes(app: FastAPI, *, engine: Any, args: ServerArgs, updater: WeightUpdater,
                        blocking: Callable[..., Awaitable[Any]], weight_pool: ThreadPoolExecutor,
                        ignored: IgnoredFields) -> None:
+    _add_generation_control(app, engine=engine, args=args, blocking=blocking, ignored=ignored)
+    _add_memory_routes(app, engine=engine, blocking=blocking, weight_pool=weight_pool, ignored=ignored)
+    _add_weight_routes(app, engine=engine, args=args, updater=updater, blocking=blocking, weight_pool=weight_pool,
+                       ignored=ignored)
+
+
+def _add_generation_control(app: FastAPI, *, engine: Any, args: ServerArgs, blocking: Callable[..., Awaitable[Any]],
+                            ignored: IgnoredFields) -> None:
     def is_admin(request: Request) -> bool:
         return not args.admin_api_key or request.state.auth_level == "admin"
 
@@ -100,14 +105,11 @@ def add_control_routes(app: FastAPI, *, engine: Any, args: ServerArgs, updater: 
         raise ApiError(400, f"cannot flush the cache while requests are in flight ({running} running, holding "
                             f"KV); retry later")
 
-    # ---- weights ----
-    async def weights_call(fn: Callable, *a: Any) -> Response:
-        if "weights" in engine.released_memory:
-            raise WeightUpdateError("the weights are released (/release_memory_occupation): call "
-                                    "/resume_memory_occupation with tags [\"weights\"] first")
-        return json_response(await blocking(fn, *a, pool=weight_pool))
 
-    # ---- memory (colocated trainers) ----
+
+def _add_memory_routes(app: FastAPI, *, engine: Any, blocking: Callable[..., Awaitable[Any]],
+                       weight_pool: ThreadPoolExecutor, ignored: IgnoredFields) -> None:
+    """Releasing and resuming the KV pool and the weights' memory (colocated trainers)."""
     async def memory_call(policy: FieldPolicy, fn: Callable[[Any], list[str]], request: Request) -> Response:
         body = policy.screen(await read_json(request, allow_empty=True), ignored)
         try:
@@ -125,6 +127,16 @@ def add_control_routes(app: FastAPI, *, engine: Any, args: ServerArgs, updater: 
     async def resume_memory_occupation(request: Request) -> Response:
         return await memory_call(RESUME, engine.resume_memory_occupation, request)
 
+
+def _add_weight_routes(app: FastAPI, *, engine: Any, args: ServerArgs, updater: WeightUpdater,
+                       blocking: Callable[..., Awaitable[Any]], weight_pool: ThreadPoolExecutor,
+                       ignored: IgnoredFields) -> None:
+    async def weights_call(fn: Callable, *a: Any) -> Response:
+        if "weights" in engine.released_memory:
+            raise WeightUpdateError("the weights are released (/release_memory_occupation): call "
+                                    "/resume_memory_occupation with tags [\"weights\"] first")
+        return json_response(await blocking(fn, *a, pool=weight_pool))
+
     @app.post("/update_weights_from_disk")
     async def update_weights_from_disk(request: Request) -> Response:
         body = DISK.screen(await read_json(request), ignored)
@@ -139,54 +151,11 @@ def add_control_routes(app: FastAPI, *, engine: Any, args: ServerArgs, updater: 
 
     @app.post("/update_weights_from_tensor")
     async def update_weights_from_tensor(request: Request) -> Response:
-        ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
-        if ctype != "application/json":
-            raw = await request.body()
-            query = parse_qs(request.url.query, keep_blank_values=True)
-            unknown = sorted(set(query) - {"weight_version", "abort_all_requests"})
-            if unknown:
-                raise WeightUpdateError(f"unknown query parameter(s) {unknown}"[:300])
-            flag = query.get("abort_all_requests", ["false"])[-1].lower()
-            if flag not in ("true", "false", "1", "0"):
-                raise WeightUpdateError("abort_all_requests must be true or false")
-            return await weights_call(updater.update_from_safetensors, raw,
-                                      query.get("weight_version", [None])[-1], flag in ("true", "1"))
-        body = TENSOR.screen(await read_json(request), ignored)
-        version, abort = body.get("weight_version"), body.get("abort_all_requests", False)
-        load_format = body.get("load_format")
-        raw = _b64_bytes(body.get("serialized_named_tensors"))
-        # NOTE: pickle protocol 2+ starts with 0x80; safetensors with its header length (never 0x80 here)
-        if load_format == "safetensors" or (load_format is None and raw[:1] != b"\x80"):
-            return await weights_call(updater.update_from_safetensors, raw, version, abort)
-        if not args.allow_pickled_weight_tensors:
-            raise WeightUpdateError(f"serialized_named_tensors (load_format {load_format!r}) is SGLang's pickled "
-                                    f"form; this server loads it only when started with "
-                                    f"--allow-pickled-weight-tensors (or send base64 safetensors bytes)"[:400])
-        if args.api_key is not None and args.admin_api_key is None:
-            raise WeightUpdateError("pickled tensors need --admin-api-key on a server started with --api-key",
-                                    status=403)
-        from rollout.server.pickled_tensors import load_serialized_named_tensors  # noqa: PLC0415
-
-        def run() -> dict:
-            try:
-                named = load_serialized_named_tensors(raw, load_format)
-            except ValueError as exc:
-                raise WeightUpdateError(str(exc)) from None
-            return updater.update_from_tensors(named, version, abort, source="serialized_named_tensors")
-        return await weights_call(run)
+        return await _from_tensor(request, args=args, updater=updater, ignored=ignored, weights_call=weights_call)
 
     @app.post("/init_weights_update_group")
     async def init_weights_update_group(request: Request) -> Response:
-        body = INIT_GROUP.screen(await read_json(request), ignored)
-        pp_rank = body.get("pp_rank")
-        if pp_rank is not None and (isinstance(pp_rank, bool) or not isinstance(pp_rank, int) or pp_rank < 0):
-            raise WeightUpdateError(f"pp_rank must be a non-negative integer, got {pp_rank!r}"[:300])
-        kw = {k: body.get(k) for k in ("master_address", "rank_offset", "world_size")}
-        kw["master_port"] = _port(body.get("master_port"))
-        kw["group_name"] = body.get("group_name") or DEFAULT_GROUP_NAME
-        kw["backend"] = body.get("backend") or ("gloo" if args.engine.device == "cpu" else "nccl")
-        if "timeout_s" in body:
-            kw["timeout_s"] = body["timeout_s"]
+        kw = _group_args(INIT_GROUP.screen(await read_json(request), ignored), args)
         return await weights_call(lambda: updater.init_group(**kw))
 
     @app.post("/update_weights_from_distributed")
@@ -215,6 +184,60 @@ def add_control_routes(app: FastAPI, *, engine: Any, args: ServerArgs, updater: 
     @app.api_route("/get_weight_version", methods=["GET", "POST"])
     async def get_weight_version() -> Response:
         return json_response({"weight_version": engine.weight_version})
+
+
+async def _from_tensor(request: Request, *, args: ServerArgs, updater: WeightUpdater, ignored: IgnoredFields,
+                       weights_call: Callable[..., Awaitable[Response]]) -> Response:
+    """/update_weights_from_tensor: safetensors bytes (raw body or base64), or SGLang's pickled form."""
+    ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if ctype != "application/json":
+        raw = await request.body()
+        query = parse_qs(request.url.query, keep_blank_values=True)
+        unknown = sorted(set(query) - {"weight_version", "abort_all_requests"})
+        if unknown:
+            raise WeightUpdateError(f"unknown query parameter(s) {unknown}"[:300])
+        flag = query.get("abort_all_requests", ["false"])[-1].lower()
+        if flag not in ("true", "false", "1", "0"):
+            raise WeightUpdateError("abort_all_requests must be true or false")
+        return await weights_call(updater.update_from_safetensors, raw,
+                                  query.get("weight_version", [None])[-1], flag in ("true", "1"))
+    body = TENSOR.screen(await read_json(request), ignored)
+    version, abort = body.get("weight_version"), body.get("abort_all_requests", False)
+    load_format = body.get("load_format")
+    raw = _b64_bytes(body.get("serialized_named_tensors"))
+    # NOTE: pickle protocol 2+ starts with 0x80; safetensors with its header length (never 0x80 here)
+    if load_format == "safetensors" or (load_format is None and raw[:1] != b"\x80"):
+        return await weights_call(updater.update_from_safetensors, raw, version, abort)
+    if not args.allow_pickled_weight_tensors:
+        raise WeightUpdateError(f"serialized_named_tensors (load_format {load_format!r}) is SGLang's pickled "
+                                f"form; this server loads it only when started with "
+                                f"--allow-pickled-weight-tensors (or send base64 safetensors bytes)"[:400])
+    if args.api_key is not None and args.admin_api_key is None:
+        raise WeightUpdateError("pickled tensors need --admin-api-key on a server started with --api-key",
+                                status=403)
+    from rollout.server.pickled_tensors import load_serialized_named_tensors  # noqa: PLC0415
+
+    def run() -> dict:
+        try:
+            named = load_serialized_named_tensors(raw, load_format)
+        except ValueError as exc:
+            raise WeightUpdateError(str(exc)) from None
+        return updater.update_from_tensors(named, version, abort, source="serialized_named_tensors")
+    return await weights_call(run)
+
+
+def _group_args(body: dict, args: ServerArgs) -> dict:
+    """/init_weights_update_group's body as WeightUpdater.init_group's arguments."""
+    pp_rank = body.get("pp_rank")
+    if pp_rank is not None and (isinstance(pp_rank, bool) or not isinstance(pp_rank, int) or pp_rank < 0):
+        raise WeightUpdateError(f"pp_rank must be a non-negative integer, got {pp_rank!r}"[:300])
+    kw = {k: body.get(k) for k in ("master_address", "rank_offset", "world_size")}
+    kw["master_port"] = _port(body.get("master_port"))
+    kw["group_name"] = body.get("group_name") or DEFAULT_GROUP_NAME
+    kw["backend"] = body.get("backend") or ("gloo" if args.engine.device == "cpu" else "nccl")
+    if "timeout_s" in body:
+        kw["timeout_s"] = body["timeout_s"]
+    return kw
 
 
 def _b64_bytes(data: Any) -> bytes:

@@ -10,9 +10,9 @@ from starlette.responses import Response
 from rollout.frontend.api import EngineDeadError
 from rollout.frontend.engine_client import WeightsInconsistentError
 from rollout.server.args import ServerArgs
-from rollout.server.engine_stream import ClientGone
+from rollout.frontend.async_generation import ClientGone
 from rollout.server.guard import WEIGHT_PATHS, BodyTooLarge
-from rollout.server.responses import ApiError, error_body, json_response
+from rollout.server.http_io import ApiError, error_body, json_response
 from rollout.server.weight_updater import WeightUpdateError
 
 

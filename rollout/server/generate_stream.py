@@ -9,14 +9,17 @@ since the previous chunk with `routed_experts_start` (their absolute position).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, AsyncIterator, Callable, Union
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Union
 
+from capture.codec import encode_engine_rows
 from rollout.frontend.api import EngineDeadError
-from rollout.server.generate_request import GenerateCall
-from rollout.server.engine_stream import EngineStream
-from rollout.server.responses import error_body, sse
-from rollout.stream_chunk import StreamChunk
+from rollout.frontend.async_generation import EngineStream
+from rollout.server.http_io import error_body, sse
+from rollout.generate_io import StreamChunk
 
+
+if TYPE_CHECKING:   # NOTE: generate_routes imports this module to answer streams
+    from rollout.server.generate_routes import GenerateCall
 
 class _Progress:
     """What one request has streamed so far (cumulative mode keeps it all)."""
@@ -85,9 +88,7 @@ class GenerateStream:
         p.text += chunk.text
         p.ids.extend(chunk.output_ids)
         entry = self.call.token_entry(self.decode)
-        meta: dict[str, Any] = {"id": chunk.rid, "finish_reason": None,
-                                "prompt_tokens": len(self.call.prompts[self.prompt_of[chunk.rid]]),
-                                "completion_tokens": len(p.ids), "weight_version": self.engine.weight_version}
+        meta = self.call.progress_meta(chunk.rid, self.prompt_of[chunk.rid], len(p.ids), self.engine.weight_version)
         if chunk.output_logprobs is not None:
             p.logprobs.extend(entry(lp, t) for lp, t in zip(chunk.output_logprobs, chunk.output_ids))
             meta["output_token_logprobs"] = p.logprobs
@@ -102,9 +103,7 @@ class GenerateStream:
         p = self.progress[chunk.rid]
         p.ids.extend(chunk.output_ids)
         entry = self.call.token_entry(self.decode)
-        meta: dict[str, Any] = {"id": chunk.rid, "finish_reason": None,
-                                "prompt_tokens": len(self.call.prompts[self.prompt_of[chunk.rid]]),
-                                "completion_tokens": len(p.ids), "weight_version": self.engine.weight_version}
+        meta = self.call.progress_meta(chunk.rid, self.prompt_of[chunk.rid], len(p.ids), self.engine.weight_version)
         if chunk.finished:
             meta = self._final_meta(chunk, with_routing=False)   # the rows go out as deltas below
         if chunk.output_logprobs is not None:
@@ -116,7 +115,10 @@ class GenerateStream:
         else:
             meta.pop("output_top_logprobs", None)
         if chunk.routed_experts is not None:
-            enc = self.call.encode_routing(chunk.routed_experts, chunk.routed_experts_start, self.engine.info)
+            info = self.engine.info
+            enc = encode_engine_rows(chunk.routed_experts, self.call.fmt, num_experts=info.num_experts,
+                                     start=chunk.routed_experts_start, layer_ids=info.moe_layer_ids,
+                                     dtype=self.call.routing_dtype)
             self.metrics.routing_bytes(self.call.fmt, len(enc))
             meta["routed_experts"] = enc
             meta["routed_experts_start"] = chunk.routed_experts_start

@@ -20,7 +20,7 @@ from typing import Any, Iterator, Optional
 
 import uvicorn
 
-from rollout.server.responses import error_body
+from rollout.server.http_io import error_body
 
 logger = logging.getLogger("rollout.server")
 

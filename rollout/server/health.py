@@ -15,8 +15,9 @@ from fastapi import FastAPI
 from starlette.requests import Request
 from starlette.responses import Response
 
-from rollout.server.engine_stream import EngineStream
-from rollout.server.responses import error_body, json_response
+from rollout.frontend.async_generation import EngineStream
+from rollout.generate_io import GenerateArgs
+from rollout.server.http_io import error_body, json_response
 
 HEALTH_CHECK_TIMEOUT_S = 20.0   # SGLang's default HEALTH_CHECK_TIMEOUT
 
@@ -82,8 +83,8 @@ def add_health_routes(app: FastAPI, engine: Any) -> None:
     @app.get("/health_generate")
     async def health_generate(request: Request) -> Response:
         def probe() -> EngineStream:
-            return EngineStream(engine, input_ids=[[min(3, info.vocab_size - 1)]],
-                                sampling_params={"max_new_tokens": 1, "temperature": 0.0})
+            return EngineStream(engine, GenerateArgs(input_ids=[[min(3, info.vocab_size - 1)]],
+                                                     sampling_params={"max_new_tokens": 1, "temperature": 0.0}))
 
         status, body = await generate_health.check(probe, request)
         if status != 200:

@@ -9,8 +9,8 @@ from fastapi import FastAPI
 from starlette.responses import Response
 
 from rollout.frontend.api import Rollout
-from rollout.output import RolloutOutput
-from rollout.server.ignored_fields import IgnoredFields
+from rollout.generate_io import RolloutOutput
+from rollout.server.http_io import IgnoredFields
 
 
 class Metrics:

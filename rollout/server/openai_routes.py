@@ -6,8 +6,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from rollout.server.openai_serving import OpenAIServing
-from rollout.server.request_body import read_json
-from rollout.server.responses import json_response
+from rollout.server.http_io import json_response, read_json
 
 
 def add_openai_routes(app: FastAPI, openai: OpenAIServing) -> None:

@@ -9,15 +9,13 @@ from typing import Any, AsyncIterator, Callable, Optional, Union
 from starlette.requests import Request
 from starlette.responses import Response
 
-from rollout.output import RolloutOutput
+from capture.codec import encode_engine_rows
+from rollout.generate_io import GenerateArgs, RolloutOutput, StreamChunk
 from rollout.server.completion_echo import CompletionEcho
-from rollout.server.engine_stream import EngineStream
+from rollout.frontend.async_generation import EngineStream
 from rollout.frontend.api import EngineDeadError
-from rollout.server.responses import (ApiError, JSONBytesResponse, SSEResponse, dumps_bytes, error_body, large_answer,
-                                     param_of, sse)
-from rollout.server.text_bound import OFF_LOOP_CHARS, TextBound
-from rollout.server.routing_format import check_routing_format, encode_rows
-from rollout.stream_chunk import StreamChunk
+from rollout.server.http_io import (OFF_LOOP_CHARS, ApiError, JSONBytesResponse, SSEResponse, TextBound, dumps_bytes,
+                                    error_body, large_answer, param_of, routing_format, sse)
 
 # NOTE: "stream_options", "user", "metadata" and similar OpenAI fields that do not change the
 # output are accepted and ignored, like other OpenAI-compatible servers do.
@@ -98,8 +96,9 @@ class OpenAIServing:
     def _start(self, *, prompts: Any = None, input_ids: Any = None, params: dict, kwargs: dict,
                return_logprob: bool, top: int, stream: bool) -> EngineStream:
         try:
-            return EngineStream(self.engine, prompts=prompts, input_ids=input_ids, sampling_params=params,
-                                return_logprob=return_logprob, top_logprobs_num=top, stream=stream, **kwargs)
+            return EngineStream(self.engine, GenerateArgs(
+                prompts=prompts, input_ids=input_ids, sampling_params=params, return_logprob=return_logprob,
+                top_logprobs_num=top, stream=stream, **kwargs))
         except ValueError as exc:
             raise self._openai_error(exc) from None
 
@@ -121,7 +120,9 @@ class OpenAIServing:
             return self._sglext(chunk.output, fmt) if chunk.finished else None
         if chunk.routed_experts is None:
             return None
-        enc = encode_rows(chunk.routed_experts, fmt, chunk.routed_experts_start, self.engine.info)
+        info = self.engine.info
+        enc = encode_engine_rows(chunk.routed_experts, fmt, num_experts=info.num_experts,
+                                 start=chunk.routed_experts_start, layer_ids=info.moe_layer_ids)
         self.metrics.routing_bytes(fmt, len(enc))
         return {"routed_experts": enc, "routed_experts_start": chunk.routed_experts_start,
                 "routed_experts_format": fmt}
@@ -171,7 +172,7 @@ class OpenAIServing:
         params, kwargs = self._common(body, default_max=16)
         logprobs = _get(body, "logprobs", (int,), None)
         stream = _get(body, "stream", (bool,), False)
-        fmt = check_routing_format(body.get("routed_experts_format"))
+        fmt = routing_format(body.get("routed_experts_format"))
         include_usage = bool((_get(body, "stream_options", (dict,), {}) or {}).get("include_usage"))
         echo = _get(body, "echo", (bool,), False)
         if echo:
@@ -269,7 +270,7 @@ class OpenAIServing:
         if top and not want_lp:
             raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         stream = _get(body, "stream", (bool,), False)
-        fmt = check_routing_format(body.get("routed_experts_format"))
+        fmt = routing_format(body.get("routed_experts_format"))
         include_usage = bool((_get(body, "stream_options", (dict,), {}) or {}).get("include_usage"))
         es = self._start(input_ids=[ids], params=params, kwargs=kwargs, return_logprob=want_lp, top=top,
                          stream=stream)

@@ -12,7 +12,7 @@ from fastapi import FastAPI
 from starlette.responses import Response
 
 from rollout.server.args import ServerArgs
-from rollout.server.responses import json_response
+from rollout.server.http_io import json_response
 
 VERSION = "0.1.0"
 

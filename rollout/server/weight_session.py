@@ -19,9 +19,7 @@ from fastapi import FastAPI
 from starlette.requests import Request
 from starlette.responses import Response
 
-from rollout.server.ignored_fields import FieldPolicy, IgnoredFields
-from rollout.server.request_body import read_json
-from rollout.server.responses import json_response
+from rollout.server.http_io import FieldPolicy, IgnoredFields, json_response, read_json
 
 BEGIN = FieldPolicy(endpoint="/begin_weight_update", acted=frozenset())
 END = FieldPolicy(endpoint="/end_weight_update", acted=frozenset())

@@ -10,9 +10,7 @@ from fastapi import FastAPI
 from starlette.requests import Request
 from starlette.responses import Response
 
-from rollout.server.ignored_fields import FieldPolicy, IgnoredFields
-from rollout.server.request_body import read_json
-from rollout.server.responses import ApiError, json_response
+from rollout.server.http_io import ApiError, FieldPolicy, IgnoredFields, json_response, read_json
 
 WEIGHTS_BY_NAME = FieldPolicy(endpoint="/get_weights_by_name", acted=frozenset({"name", "truncate_size"}))
 DEFAULT_TRUNCATE_SIZE = 100   # SGLang's GetWeightsByNameReqInput default
