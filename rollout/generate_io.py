@@ -1,8 +1,9 @@
-"""What a generation call takes and gives back: GenerateArgs (its request fields), RolloutOutput (the finished result of one request, with
-SGLang's `{text, output_ids, meta_info}` view), StreamChunk (what one streamed step adds),
-FinishReason (why a request ended, as the engine decides it and the outputs report it: SGLang's
-`meta_info.finish_reason` shape) and Submission (the request ids one call queued, in output order).
-SGLang keeps these types together in io_struct.py."""
+"""What a generation call takes and gives back: GenerateArgs (its request fields), RolloutOutput
+(the finished result of one request, with SGLang's `{text, output_ids, meta_info}` view),
+StreamChunk (what one streamed step adds), FinishReason (why a request ended, as the engine
+decides it and the outputs report it: SGLang's `meta_info.finish_reason` shape) and Submission
+(the request ids one call queued, in output order). SGLang keeps these types together in
+io_struct.py."""
 from __future__ import annotations
 
 import dataclasses

@@ -14,12 +14,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence, Union
 
+from capture.codec import RoutedExpertsFormat
+
 from .losses import LossConfig
 
 __all__ = ["TrainConfig", "load_train_config", "ConfigError"]
 
 SYNC_MODES = ("disk", "tensor", "distributed")
-ROUTING_FORMATS = ("compact", "int32")
+ROUTING_FORMATS = tuple(f.value for f in RoutedExpertsFormat)   # the codec's one list
 SERVER_DTYPES = ("auto", "float32", "bfloat16", "float16")
 _LOSS_KEYS = tuple(f.name for f in dataclasses.fields(LossConfig) if f.name != "temperature")
 

@@ -15,6 +15,8 @@ from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 import httpx
 
+from capture.codec import RoutedExpertsFormat
+
 from ..sample import Sample
 from .control import _Control
 from .errors import NoServerError, RolloutError, _Aborted, _ServerFailed
@@ -26,7 +28,7 @@ from .router import _Router
 from .server_state import ServerState, pick_server
 from .transport import _Transport
 
-ROUTING_FORMATS = ("compact", "int32")
+ROUTING_FORMATS = tuple(f.value for f in RoutedExpertsFormat)   # the codec's one list
 
 
 class RolloutClient(_Health, _Control, _Transport, _Router):
