@@ -28,7 +28,7 @@ import psutil
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from trainer_bridge.launch import LocalServer  # noqa: E402
+from trainer_bridge.launch import LocalServers  # noqa: E402
 
 SITECUSTOMIZE = '''
 import json, os, signal, sys, threading
@@ -86,15 +86,9 @@ def main(argv=None) -> None:
         dumps.mkdir()
         env = {"REQUEST_WALK_DIR": str(dumps), "OMP_NUM_THREADS": "2",
                "PYTHONPATH": os.pathsep.join([str(site), str(ROOT), os.environ.get("PYTHONPATH", "")])}
-        server = LocalServer(["--log-level", "warning", "--enable-return-routed-experts"], Path(tmp) / "server.log",
-                             env=env)
-        server.spawn()
-        try:
-            deadline = time.monotonic() + 300
-            while not server.poll_ready():
-                if time.monotonic() > deadline or not server.alive:
-                    raise SystemExit(f"rollout-serve did not start:\n{server.log()}")
-                time.sleep(0.1)
+        with LocalServers(1, ["--log-level", "warning", "--enable-return-routed-experts"], log_dir=tmp, env=env,
+                          supervise=False) as servers:
+            server = servers.servers[0]
             body = {"input_ids": [5, 6, 7, 8, 9, 10], "return_logprob": True, "return_routed_experts": True,
                     "stream": args.stream,
                     "sampling_params": {"temperature": 0.0, "max_new_tokens": args.max_new_tokens, "ignore_eos": True}}
@@ -119,8 +113,6 @@ def main(argv=None) -> None:
                 d = json.loads(f.read_text())
                 role = "engine" if any("engine_proc" in a for a in d["argv"]) else "front end"
                 walks[f"{role} (pid {f.stem})"] = project_files(d["files"])
-        finally:
-            server.stop()
 
     total = []
     for name, files in walks.items():

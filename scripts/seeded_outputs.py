@@ -22,7 +22,6 @@ import os
 import random
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -75,28 +74,18 @@ def server_outputs(model_path: str) -> list:
     import httpx
     from transformers import AutoConfig
 
-    from trainer_bridge.launch import LocalServer
+    from trainer_bridge.launch import LocalServers
 
     ids, params = workload(AutoConfig.from_pretrained(model_path).vocab_size)
-    with tempfile.TemporaryDirectory(prefix="seeded-outputs-") as tmp:
-        server = LocalServer(["--log-level", "warning", "--dtype", "float32", "--enable-return-routed-experts",
-                              "--model-path", model_path], Path(tmp) / "server.log", env={"OMP_NUM_THREADS": "2"})
-        server.spawn()
-        try:
-            deadline = time.monotonic() + 300
-            while not server.poll_ready():
-                if time.monotonic() > deadline or not server.alive:
-                    raise SystemExit(f"rollout-serve did not start:\n{server.log()}")
-                time.sleep(0.1)
-            body = {"input_ids": ids, "sampling_params": params, "rid": rids(len(ids)), "return_logprob": True,
-                    "top_logprobs_num": 3,
-                    "logprob_start_len": 4, "return_routed_experts": True}
-            with httpx.Client(base_url=server.url, timeout=600) as c:
-                r = c.post("/generate", json=body)
-                r.raise_for_status()
-                return exact(r.json())
-        finally:
-            server.stop()
+    flags = ["--log-level", "warning", "--dtype", "float32", "--enable-return-routed-experts", "--model-path", model_path]
+    with tempfile.TemporaryDirectory(prefix="seeded-outputs-") as tmp, \
+            LocalServers(1, flags, log_dir=tmp, env={"OMP_NUM_THREADS": "2"}, supervise=False) as servers:
+        body = {"input_ids": ids, "sampling_params": params, "rid": rids(len(ids)), "return_logprob": True,
+                "top_logprobs_num": 3, "logprob_start_len": 4, "return_routed_experts": True}
+        with httpx.Client(base_url=servers.urls[0], timeout=600) as c:
+            r = c.post("/generate", json=body)
+            r.raise_for_status()
+            return exact(r.json())
 
 
 def collect(model_path: str, workloads: list[str]) -> dict:
