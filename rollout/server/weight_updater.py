@@ -153,7 +153,8 @@ class WeightUpdater:
     def update_from_disk(self, model_path: Any, weight_version: Any = None, abort_all_requests: Any = False) -> dict:
         """The path and file list are checked first (a refusal aborts nothing); then, as SGLang does,
         the requests are aborted (when asked) and admission held before the checkpoint is read, so
-        a slow read cannot let queued requests start on the old weights meanwhile."""
+        a slow read cannot let queued requests start on the old weights meanwhile. NOTE: a
+        checkpoint refused for its tensors (names, shapes, values) has then aborted them already."""
         self.check_common(weight_version, abort_all_requests)
         files = self.checkpoint_files(model_path)
         source = f"checkpoint {os.path.basename(str(model_path))!r}"
