@@ -65,3 +65,10 @@ def advise_huge_pages(t: torch.Tensor) -> bool:
         return False
     madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     return madvise(lo, hi - lo, _MADV_HUGEPAGE) == 0
+
+
+def trim_heap() -> bool:
+    """glibc's malloc_trim(0): the heap's free pages go back to the OS (True if some did); ctypes
+    drops the GIL during the call. False (and nothing done) elsewhere than glibc."""
+    trim = _libc_function("malloc_trim")
+    return bool(trim(0)) if trim is not None else False

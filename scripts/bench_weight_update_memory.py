@@ -43,14 +43,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def build_checkpoint(path: Path, layers: int, seed: int) -> dict[str, torch.Tensor]:
-    """A Qwen3-MoE-shaped model (transformers' in-memory names: fused experts), random bf16."""
+def build_checkpoint(path: Path, layers: int, seed: int, *, vocab: int = 32000,
+                     experts: int = 64) -> dict[str, torch.Tensor]:
+    """A Qwen3-MoE-shaped model (transformers' in-memory names: fused experts), random bf16
+    (tests/test_weight_update_memory.py builds a smaller one with the same function)."""
     from safetensors.torch import save_file
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    cfg = Qwen3MoeConfig(vocab_size=32000, hidden_size=1024, intermediate_size=2048, moe_intermediate_size=256,
+    cfg = Qwen3MoeConfig(vocab_size=vocab, hidden_size=1024, intermediate_size=2048, moe_intermediate_size=256,
                          num_hidden_layers=layers, num_attention_heads=16, num_key_value_heads=4, head_dim=64,
-                         num_experts=64, num_experts_per_tok=8, max_position_embeddings=2048,
+                         num_experts=experts, num_experts_per_tok=8, max_position_embeddings=2048,
                          tie_word_embeddings=False, dtype="bfloat16", architectures=["Qwen3MoeForCausalLM"])
     with torch.device("meta"):
         shapes = {n: tuple(p.shape) for n, p in Qwen3MoeForCausalLM(cfg).named_parameters()}

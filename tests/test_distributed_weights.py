@@ -23,6 +23,7 @@ from oracle import hf_greedy
 from server_proc import ROOT, ServerProcess
 from rollout import Rollout
 from rollout.config import DEFAULT_MODEL_PATH, EngineConfig
+from rollout.core.weight_bucket import ALIGN, WeightBucket, finite
 from rollout.core.weight_receiver import buckets
 from rollout.frontend.engine_client import WeightsInconsistentError
 from trainer_bridge.weight_sync import init_custom_process_group
@@ -101,6 +102,26 @@ def test_buckets_split_in_order_and_a_large_tensor_goes_alone():
     assert [list(r) for r in buckets([10, 10, 10, 50, 5, 5], 25)] == [[0, 1], [2], [3], [4, 5]]
     assert [list(r) for r in buckets([100], 1)] == [[0]]
     assert [list(r) for r in buckets([1, 2, 3], 2**30)] == [[0, 1, 2]]
+
+
+def test_one_buffer_holds_every_bucket_at_aligned_offsets_and_finite_finds_nan_and_inf():
+    nbytes = [10, 10, 10, 50, 6, 6]
+    groups = list(buckets(nbytes, 25))
+    bucket = WeightBucket(groups, nbytes, torch.device("cpu"))
+    # the largest bucket, each tensor rounded up to ALIGN: [10, 10] -> 2 * ALIGN (> [50] -> ALIGN)
+    assert bucket.size == 2 * ALIGN and all(o % ALIGN == 0 for o in bucket.offsets)
+    a, b = bucket.views(groups[0], [torch.float16] * 6, [[5]] * 6)
+    a.fill_(1), b.fill_(2)
+    assert a.data_ptr() != b.data_ptr() and a.tolist() == [1] * 5 and b.tolist() == [2] * 5
+    packed = WeightBucket([range(6)], nbytes, torch.device("cpu"), packed=True)
+    assert packed.size == sum(nbytes) and packed.flat(range(6)).numel() == sum(nbytes)
+    bucket.release()
+    assert bucket.size == 0
+    for dtype in (torch.bfloat16, torch.float16, torch.float32, torch.float64):
+        for bad in (float("nan"), float("inf"), float("-inf")):
+            x = torch.randn(3, 1000).to(dtype)
+            x[2, 999] = bad
+            assert finite([torch.ones(4, dtype=dtype), x, torch.empty(0, dtype=dtype)]) == [True, False, True]
 
 
 def test_bucket_size_is_validated():

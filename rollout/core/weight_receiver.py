@@ -3,11 +3,15 @@
 Every engine process (every DP rank) joins the group itself, as rank rank_offset + its DP rank
 (SGLang: rank_offset + tp_rank; world_size is the whole group: the trainer's ranks plus every
 engine process of every server). The trainer's rank 0 broadcasts the tensors in `names` order;
-this process receives them into scratch tensors of at most `bucket_bytes` at a time (a tensor
-larger than that comes alone), copies each bucket into the parameters (the checkpoint-name
-mapping of rollout/models/loader.py: per-expert tensors go slice-wise into the fused experts, an
-expert shard keeps only its own experts) and frees it before receiving the next. No copy of the
-whole model is ever staged, in this process or the front end.
+this process receives them bucket by bucket (at most `bucket_bytes` each, a tensor larger than
+that alone) into views of one buffer the size of the largest bucket
+(rollout/core/weight_bucket.py), checks each bucket's finiteness (without temporaries), copies it
+into the parameters (the checkpoint-name mapping of rollout/models/loader.py: per-expert tensors
+go slice-wise into the fused experts, an expert shard keeps only its own experts) and then
+receives the next into the same buffer. The buffer is released after the update (on a GPU with
+empty_cache(), on the CPU with a heap trim).
+No copy of the whole model is ever staged, in this process or the front end: the peak beyond the
+model is the largest bucket (measured: docs/benchmarks.md).
 
 NOTE: a broadcast delivers every byte to every member, so each rank receives every tensor (an
 expert shard drops the experts it does not hold after receiving them).
@@ -26,27 +30,17 @@ from __future__ import annotations
 import datetime
 import logging
 import math
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
 import torch
 
+from rollout.core.weight_bucket import WeightBucket, buckets, finite
+from rollout.host_malloc import trim_heap
 from rollout.ipc.control_values import LOAD_FORMATS, WEIGHT_DTYPES as DTYPES
 from rollout.models.loader import _experts_of, _pieces, copy_into, plan, resolve, source_view
 from rollout.weight_group import init_custom_process_group
 
 logger = logging.getLogger(__name__)
-
-
-def buckets(nbytes: list[int], bucket_bytes: int) -> Iterator[range]:
-    """Consecutive index ranges of at most bucket_bytes each (an item larger than that alone)."""
-    start, size = 0, 0
-    for i, n in enumerate(nbytes):
-        if i > start and size + n > bucket_bytes:
-            yield range(start, i)
-            start, size = i, 0
-        size += n
-    if start < len(nbytes):
-        yield range(start, len(nbytes))
 
 
 class WeightReceiver:
@@ -128,21 +122,27 @@ class WeightReceiver:
         pieces = {n: self._pieces_of(model, t) for n, t in targets.items()}
         written: set[tuple] = set()
         nbytes = [math.prod(s) * torch.empty((), dtype=dt).element_size() for s, dt in zip(shapes, torch_dtypes)]
-        if load_format == "flattened_bucket":
-            groups = [range(len(names))]   # NOTE: one broadcast of the whole bucket: it cannot be split
-        else:
-            groups = list(buckets(nbytes, self.bucket_bytes))
+        packed = load_format == "flattened_bucket"
+        # NOTE: flattened: one broadcast of the trainer's whole bucket, received as sent (its size is the trainer's)
+        groups = [range(len(names))] if packed else list(buckets(nbytes, self.bucket_bytes))
         self.last_buckets = len(groups)
-        for idx in groups:
-            try:
-                received = self._recv(idx, torch_dtypes, shapes, nbytes, device, load_format)
-            except Exception as exc:  # noqa: BLE001 (a failed collective leaves the group unusable)
-                self._destroy()
-                reason = f"receiving tensors failed ({type(exc).__name__}: {exc})"
-                raise ValueError(self._fail(reason, written, pieces)) from None
-            if problem is None:
-                problem = self._install(model, params, targets, pieces, [names[i] for i in idx], received, written)
-            del received   # NOTE: before the next bucket is allocated, so only one is ever held
+        bucket = WeightBucket(groups, nbytes, device, packed=packed)
+        try:
+            for idx in groups:
+                try:
+                    received = self._recv(bucket, idx, torch_dtypes, shapes, packed)
+                except Exception as exc:  # noqa: BLE001 (a failed collective leaves the group unusable)
+                    self._destroy()
+                    reason = f"receiving tensors failed ({type(exc).__name__}: {exc})"
+                    raise ValueError(self._fail(reason, written, pieces)) from None
+                if problem is None:
+                    problem = self._install(model, params, targets, pieces, [names[i] for i in idx], received,
+                                            written)
+                del received
+        finally:
+            bucket.release()
+            if device.type == "cpu":
+                trim_heap()   # NOTE: the heap pages the update's small temporaries grew go back to the OS
         if problem is not None:
             if self.inconsistent and written:
                 raise ValueError(problem + "\n(the weights are now half-updated: generation is refused until an "
@@ -156,8 +156,9 @@ class WeightReceiver:
         """Copies one received bucket into the parameters (all of it, or nothing when a tensor is
         not finite: then the problem, and the weights marked inconsistent if earlier buckets were
         copied)."""
-        for name, value in zip(names, received):
-            if name in targets and not bool(torch.isfinite(value).all()):
+        checked = [(name, value) for name, value in zip(names, received) if name in targets]
+        for (name, _), ok in zip(checked, finite([v for _, v in checked])):
+            if not ok:
                 problem = f"update_weights_from_distributed: tensor {name!r} holds NaN or infinite values"
                 if written:
                     self._mark(problem, pieces)
@@ -170,20 +171,15 @@ class WeightReceiver:
                     written |= pieces[name]
         return None
 
-    def _recv(self, idx: range, dtypes: list, shapes: list, nbytes: list[int], device: torch.device,
-              load_format: Optional[str]) -> list[torch.Tensor]:
+    def _recv(self, bucket: WeightBucket, idx: range, dtypes: list, shapes: list, packed: bool) -> list[torch.Tensor]:
+        """One bucket's broadcasts, received into views of the update's buffer."""
         import torch.distributed as dist
 
-        if load_format == "flattened_bucket":
+        out = bucket.views(idx, dtypes, shapes)
+        if packed:
             # SGLang's FlattenedTensorBucket: every tensor's bytes, concatenated in names order
-            flat = torch.empty(sum(nbytes[i] for i in idx), dtype=torch.uint8, device=device)
-            dist.broadcast(flat, src=0, group=self.group)
-            out, at = [], 0
-            for i in idx:
-                out.append(flat[at:at + nbytes[i]].view(dtypes[i]).view(shapes[i]))
-                at += nbytes[i]
+            dist.broadcast(bucket.flat(idx), src=0, group=self.group)
             return out
-        out = [torch.empty(shapes[i], dtype=dtypes[i], device=device) for i in idx]
         works = [dist.broadcast(t, src=0, group=self.group, async_op=True) for t in out]
         for w in works:
             w.wait()
