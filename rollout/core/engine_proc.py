@@ -73,17 +73,19 @@ def req_from_spec(spec: ReqSpec) -> Req:
 
 class StepSync:
     """DP: every rank learns each iteration whether any rank has work or wants to stop, and how
-    many collective commands every rank has received (those run now, on all ranks together)."""
+    many collective commands every rank has received (those run now, on all ranks together).
+    Host values over the EP group's gloo meta_group: no device sync."""
 
-    def __init__(self, device: torch.device):
-        self._flags = torch.zeros(3, dtype=torch.int32, device=device)
+    def __init__(self, group: Any = None):
+        self._flags = torch.zeros(3, dtype=torch.int32)
+        self.group = group
 
     def agree(self, has_work: bool, stop: bool, pending: int = 0) -> tuple[bool, bool, int]:
         import torch.distributed as dist  # noqa: PLC0415
 
         # NOTE: MAX of -pending is -(the fewest pending on any rank)
         self._flags[0], self._flags[1], self._flags[2] = int(has_work), int(stop), -pending
-        dist.all_reduce(self._flags, op=dist.ReduceOp.MAX)
+        dist.all_reduce(self._flags, op=dist.ReduceOp.MAX, group=self.group)
         work, stop_all, ready = self._flags.tolist()
         return bool(work), bool(stop_all), -ready
 
@@ -184,21 +186,24 @@ def _join_dp_group(cfg: EngineConfig, rank: int, store_port: int) -> tuple[Engin
 
     from rollout.models.ep_group import EPGroup  # noqa: PLC0415
 
-    if cfg.device.startswith("cuda"):
+    # NOTE: the ranks are processes of one host and talk over loopback; gloo (the CPU engines' group
+    # and every engine's host-value group) would otherwise bind the address the hostname resolves
+    # to. Set here, in the engine process only.
+    if sys.platform.startswith("linux"):
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    cuda = cfg.device.startswith("cuda")
+    if cuda:
         device = torch.device("cuda", rank)
         torch.cuda.set_device(device)
         cfg = cfg.replace(device=str(device))
-        backend = "nccl"
     else:
         device = torch.device("cpu")
-        backend = "gloo"
-        # NOTE: the ranks are processes of one host and talk over loopback; gloo would otherwise
-        # bind the address the hostname resolves to. Set here, in the engine process only.
-        if sys.platform.startswith("linux"):
-            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     store = dist.TCPStore("127.0.0.1", store_port, is_master=False, timeout=COLLECTIVE_TIMEOUT)
-    dist.init_process_group(backend, store=store, rank=rank, world_size=cfg.dp_size, timeout=COLLECTIVE_TIMEOUT)
-    return cfg, EPGroup(rank=rank, size=cfg.dp_size, device=device)
+    dist.init_process_group("nccl" if cuda else "gloo", store=store, rank=rank, world_size=cfg.dp_size,
+                            timeout=COLLECTIVE_TIMEOUT)
+    # NOTE: host values (the step's shapes, StepSync's flags) over gloo: no device sync on the step path
+    meta = dist.new_group(backend="gloo", timeout=COLLECTIVE_TIMEOUT) if cuda else None
+    return cfg, EPGroup(rank=rank, size=cfg.dp_size, device=device, meta_group=meta)
 
 
 def engine_main(config: dict, rank: int, to_engine_addr: str, from_engine_addr: str,
@@ -217,7 +222,7 @@ def engine_main(config: dict, rank: int, to_engine_addr: str, from_engine_addr: 
         ep_group = sync = None
         if cfg.dp_size > 1:
             cfg, ep_group = _join_dp_group(cfg, rank, store_port)
-            sync = StepSync(ep_group.device)
+            sync = StepSync(ep_group.meta_group)
         core = EngineCore(cfg, ep_group=ep_group, cpu_threads=threads)
         sockets.send(Ready(info={"kv_capacity": core.kv_capacity, "context_length": core.context_length,
                                  "weight_version": core.weight_version, "pid": os.getpid()}))

@@ -5,6 +5,11 @@ are gathered in the order the step's GatherLayout describes (padded: rank r at r
 prefix sums of the token counts), so the router, the top-k and the capture buffer see every rank's
 tokens at the rows the capturer later slices. Each rank computes only its own experts'
 contributions for all gathered rows; a reduce-scatter sums them and hands each rank back its rows.
+
+The step's small host values (every rank's batch shape, `exchange`) travel over a CPU (gloo) group,
+`meta_group`, as SGLang does for its DP metadata: over the NCCL group they would need a device
+tensor and a `.tolist()` that waits for every kernel queued before it, each step. On the CPU the
+one gloo group serves both.
 """
 from __future__ import annotations
 
@@ -29,23 +34,28 @@ def expert_range(num_experts: int, rank: int, size: int) -> tuple[int, int]:
 
 class EPGroup:
     def __init__(self, *, rank: int, size: int, device: torch.device | str = "cpu",
-                 group: Optional[dist.ProcessGroup] = None):
+                 group: Optional[dist.ProcessGroup] = None, meta_group: Optional[dist.ProcessGroup] = None):
+        """group: the hidden states' collectives (NCCL on GPUs); meta_group: a gloo group of the same
+        ranks for host values (None: group itself, which must then be gloo)."""
         assert 0 <= rank < size, (rank, size)
         self.rank = rank
         self.size = size
         self.device = torch.device(device)
         self.group = group
         self._gloo = dist.get_backend(group) == "gloo"
+        self.meta_group = meta_group if meta_group is not None else group
+        assert dist.get_backend(self.meta_group) == "gloo", "EPGroup's meta_group must be a gloo (CPU) group"
 
     def expert_range(self, num_experts: int) -> tuple[int, int]:
         """[lo, hi) of the experts this rank holds and computes."""
         return expert_range(num_experts, self.rank, self.size)
 
     def exchange(self, values: Sequence[int]) -> list[tuple[int, ...]]:
-        """Every rank's `values` (same length on all ranks), in rank order: one small all-gather."""
-        mine = torch.tensor(list(values), dtype=torch.int64, device=self.device)
-        out = torch.empty(self.size * mine.numel(), dtype=torch.int64, device=self.device)
-        _all_gather(out, mine, group=self.group)
+        """Every rank's `values` (same length on all ranks), in rank order: one small all-gather of
+        host tensors over the gloo meta_group (no device sync)."""
+        mine = torch.tensor(list(values), dtype=torch.int64)
+        out = torch.empty(self.size * mine.numel(), dtype=torch.int64)
+        _all_gather(out, mine, group=self.meta_group)
         return [tuple(row) for row in out.view(self.size, -1).tolist()]
 
     def gather(self, x: torch.Tensor, layout: GatherLayout) -> torch.Tensor:
