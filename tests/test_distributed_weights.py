@@ -286,5 +286,67 @@ def test_trainer_dying_mid_broadcast_leaves_no_half_updated_weights_served(ckpts
         assert srv.alive, srv.log()
 
 
+def _pushing_trainer(port: str, weights_file: str) -> None:
+    """Joins as rank 0 and broadcasts every tensor (sorted names) from the CPU."""
+    tensors = load_file(weights_file)
+    pg = init_custom_process_group("gloo", f"tcp://127.0.0.1:{port}", 2, 0, "pushing",
+                                   datetime.timedelta(seconds=60))
+    for n in sorted(tensors):
+        dist.broadcast(tensors[n].contiguous(), src=0, group=pg)
+    dist.destroy_process_group(pg)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_bucketed_receive_into_a_cuda_engine_matches_transformers_within_one_bucket(ckpts):
+    """The engine on CUDA, in this process (client="inproc", so this process's allocator is the
+    engine's); the trainer a subprocess on gloo from the CPU (one GPU: NCCL refuses two ranks on
+    it). The receiver's buffer is then on the CPU and each bucket is copied into the device
+    parameters: the device must not grow by more than a bucket (the largest tensor, when that is
+    larger) during the update, and nothing of the update stays on it afterwards."""
+    b = ckpts["b_tensors"]
+    names = sorted(b)
+    largest = max(b[n].numel() * b[n].element_size() for n in names)
+    meta = dict(names=names, dtypes=[str(b[n].dtype).removeprefix("torch.") for n in names],
+                shapes=[list(b[n].shape) for n in names])
+    with Rollout(str(ckpts["a"]), tokenizer_path=DEFAULT_MODEL_PATH, dtype="float32", device="cuda",
+                 client="inproc", weight_update_bucket_bytes=BUCKET, kv_cache_bytes=64 << 20) as r:
+        assert greedy(r).output_ids == hf_greedy_on(ckpts["a"], "cuda")
+        port = free_port()
+        env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{ROOT / 'tests'}")
+        trainer = subprocess.Popen([sys.executable, __file__, "pushing", str(port), f"{ckpts['b']}/model.safetensors"],
+                                   env=env)
+        try:
+            r.init_weights_update_group(master_address="127.0.0.1", master_port=port, rank_offset=1, world_size=2,
+                                        group_name="pushing", backend="gloo", timeout_s=60.0)
+            torch.cuda.synchronize()
+            base = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            assert r.update_weights_from_distributed(**meta, load_format=None, weight_version="v-b") == len(names)
+            torch.cuda.synchronize()
+            peak = torch.cuda.max_memory_allocated() - base
+            left = torch.cuda.memory_allocated() - base
+            assert trainer.wait(timeout=60) == 0
+        finally:
+            trainer.kill()
+        assert peak <= max(BUCKET, largest) + (2 << 20), (peak, BUCKET, largest)
+        assert left <= (2 << 20), left   # nothing of the update stays on the device
+        out = greedy(r)
+        assert out.output_ids == hf_greedy_on(ckpts["b"], "cuda") and out.weight_version == "v-b"
+        r.destroy_weights_update_group()
+
+
+def hf_greedy_on(path, device: str) -> list[int]:
+    """transformers' greedy continuation of PROMPT on `device` (fp32)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).to(device).eval()
+    out = model.generate(torch.tensor([PROMPT], device=device), max_new_tokens=N_NEW, min_new_tokens=N_NEW,
+                         do_sample=False, eos_token_id=None, pad_token_id=0)
+    return out[0, len(PROMPT):].tolist()
+
+
 if __name__ == "__main__" and len(sys.argv) > 1 and sys.argv[1] == "dying":
     _dying_trainer(*sys.argv[2:4])
+if __name__ == "__main__" and len(sys.argv) > 1 and sys.argv[1] == "pushing":
+    _pushing_trainer(*sys.argv[2:4])
