@@ -1,10 +1,12 @@
 """Host time of one decode step (batch 64), the model's forward excluded, for one or more source trees.
 
     python scripts/bench_step_host.py [--tree main=/path/to/checkout] [--tree this=.] [--rounds 5] [--json PATH]
+        [--attention-backend triton]   # Triton attention, run by the Triton interpreter on CPU (TRITON_INTERPRET=1)
 
 Each tree runs in its own subprocess (PYTHONPATH = that tree), rounds alternating between trees,
 so the ratio is measured side by side in one run. A worker builds an EngineCore on the embedded
-tiny MoE model (CPU, fp32, torch attention, routed-expert capture on), prefills --batch requests,
+tiny MoE model (CPU, fp32, --attention-backend: torch by default, or triton, whose kernels the
+Triton interpreter runs on CPU; routed-expert capture on), prefills --batch requests,
 then times --steps decode steps: `step` is EngineCore.step's wall time, `forward` the time spent
 inside the model's forward (a wrapper around it), `host` = step - forward: scheduling, the
 ForwardBatch, copies, sampling and the capture commit and output processing. Per run the median
@@ -26,7 +28,7 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def worker(batch: int, steps: int, warmup: int, decode_graphs: bool) -> dict:
+def worker(batch: int, steps: int, warmup: int, decode_graphs: bool, attention_backend: str = "torch") -> dict:
     import torch
 
     from rollout.config import DEFAULT_MODEL_PATH, EngineConfig
@@ -35,7 +37,8 @@ def worker(batch: int, steps: int, warmup: int, decode_graphs: bool) -> dict:
     from rollout.sampling_params import SamplingParams
 
     torch.set_num_threads(1)
-    cfg = EngineConfig(model_path=DEFAULT_MODEL_PATH, dtype="float32", device="cpu", attention_backend="torch",
+    cfg = EngineConfig(model_path=DEFAULT_MODEL_PATH, dtype="float32", device="cpu",
+                       attention_backend=attention_backend,
                        max_running_requests=batch, enable_return_routed_experts=True,
                        decode_graph_batch_sizes=(batch,) if decode_graphs else ())
     core = EngineCore(cfg)
@@ -82,19 +85,24 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--decode-graphs", action="store_true", help="through the decode graph runner (static buffers)")
+    ap.add_argument("--attention-backend", default="torch", choices=("torch", "triton"),
+                    help="triton: its kernels under the Triton interpreter (their time is inside forward, excluded)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
-        print(json.dumps(worker(args.batch, args.steps, args.warmup, args.decode_graphs)))
+        print(json.dumps(worker(args.batch, args.steps, args.warmup, args.decode_graphs, args.attention_backend)))
         return 0
     trees = [t.split("=", 1) for t in (args.tree or [f"this={REPO}"])]
     results: dict[str, list[dict]] = {name: [] for name, _ in trees}
     for _ in range(args.rounds):
         for name, path in trees:
             env = dict(os.environ, PYTHONPATH=os.path.abspath(path), HF_HUB_OFFLINE="1")
+            if args.attention_backend == "triton":
+                env["TRITON_INTERPRET"] = "1"
             cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--batch", str(args.batch),
-                   "--steps", str(args.steps), "--warmup", str(args.warmup)]
+                   "--steps", str(args.steps), "--warmup", str(args.warmup),
+                   "--attention-backend", args.attention_backend]
             if args.decode_graphs:
                 cmd.append("--decode-graphs")
             out = subprocess.run(cmd, env=env, cwd=os.path.abspath(path), capture_output=True, text=True, check=True)
