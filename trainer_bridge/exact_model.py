@@ -1,18 +1,22 @@
 """Exact mode: a transformers MoE model whose forward computes the engine's deterministic-mode numbers.
 
-``make_trainer_exact(model)`` swaps, in place, the classes of a transformers 5.x softmax-routed MoE
-model's modules (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE) for subclasses whose forward calls the
-batch-invariant ops of ``rollout.exact``, in the order the engine's models call them
-(rollout/models/*, deterministic inference): every ``nn.Linear`` (projections, dense MLPs,
-routers' siblings, lm_head) through ``rollout.exact.linear``; RMSNorm through ``rms_norm``; RoPE
-cos/sin from the engine's formula; attention through ``rollout.exact.attention`` per packed sample
-(keys counted from the sample's first token, so the key tiles line up with the engine's); the
-router's fp32 softmax and top-k by a stable descending sort (lower id wins ties); experts through
-``fused_experts`` (k slots summed in order); Qwen2-MoE's shared-expert gate through ``sigmoid``;
-SiLU through ``silu``. Parameters, their names and the state_dict are untouched, so DeepSpeed,
-weight sync and ``RouterReplay`` (its hooks sit on the routers, which keep their classes' MRO and
-their ``(logits, weights, ids)`` output) work as before. Every op is differentiable: the backward
-is autograd's through the same ops.
+``make_trainer_exact(model)`` swaps, in place, the classes of a transformers 5.x MoE model's
+modules (EXACT_ARCHITECTURES: Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE, DeepSeek-V3, GLM-4.5) for
+subclasses whose forward calls the batch-invariant ops of ``rollout.exact``, in the order the
+engine's models call them (rollout/models/*, deterministic inference): every ``nn.Linear``
+(projections, dense MLPs, routers' siblings, lm_head) through ``rollout.exact.linear``; RMSNorm
+through ``rms_norm``; RoPE cos/sin from the engine's formula (DeepSeek-V3 / GLM-4.5: the engine's
+RotaryEmbedding from its own ModelSpec: YaRN, partial rotary); attention through
+``rollout.exact.attention`` per packed sample (keys counted from the sample's first token, so the
+key tiles line up with the engine's; DeepSeek-V3's MLA in the engine's absorbed form,
+exact_mla.py); the softmax routers' fp32 softmax and top-k by a stable descending sort (lower id
+wins ties), the sigmoid routers by the engine's grouped_sigmoid_topk (exact_sigmoid_moe.py);
+experts through ``fused_experts`` (k slots summed in order); Qwen2-MoE's shared-expert gate
+through ``sigmoid``; SiLU through ``silu``. Parameters, their names and the state_dict are
+untouched, so DeepSpeed, weight sync and ``RouterReplay`` (its hooks sit on the routers, which
+keep their classes' MRO and their ``(logits, weights, ids)`` output) work as before. Every op is
+differentiable: the backward is autograd's through the same ops. ``check_exact_support`` is the
+refusal TrainConfig runs on the checkpoint's config.json before any server starts.
 """
 from __future__ import annotations
 
