@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tiny_models import ARCHS, make_engine, random_prompts
+from tiny_models import ARCHS, GROUPED_ARCHS, make_engine, random_prompts
 
 PROMPT_LENGTHS = [7, 30, 70, 3, 45, 66]
 # (max_tokens, pad_to_multiple): one micro-batch; tiles cut mid-sample; odd padding; one sample each
@@ -59,13 +59,21 @@ def qwen3(tiny_checkpoint):
     return path, _rollout_samples(path)
 
 
-def _check_equal_to_rollout(path, samples) -> None:
+@pytest.fixture(scope="module")
+def deepseek(tiny_checkpoint):
+    """DeepSeek-V3: MLA with q_lora and YaRN, grouped sigmoid routing with correction bias, a
+    shared expert, layer 0 dense (tests/tiny_models.py)."""
+    path = tiny_checkpoint("deepseek_v3")
+    return path, _rollout_samples(path)
+
+
+def _check_equal_to_rollout(path, samples, packings=PACKINGS) -> None:
     from trainer_bridge.packing import pack_samples
 
     exact, plain = _load(path, exact=True), _load(path, exact=False)
     differs = 0.0
     with torch.no_grad():
-        for max_tokens, pad in PACKINGS:
+        for max_tokens, pad in packings:
             batches = pack_samples(samples, max_tokens=max_tokens, pad_to_multiple=pad)
             assert sum(len(mb.samples) for mb in batches) == len(samples)
             for mb in batches:
@@ -94,12 +102,44 @@ def test_exact_logprobs_and_routing_equal_rollout_other_archs(tiny_checkpoint, a
     _check_equal_to_rollout(path, _rollout_samples(path, seed=9))
 
 
+def test_exact_logprobs_and_routing_equal_rollout_deepseek_v3(deepseek):
+    # NOTE: two of the packings in the default suite (tiles cut mid-sample with padding to 16; all
+    # samples in one micro-batch padded to 7); every packing in the slow cases
+    _check_equal_to_rollout(*deepseek, packings=PACKINGS[1:3])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", GROUPED_ARCHS)
+def test_exact_logprobs_and_routing_equal_rollout_grouped_archs(tiny_checkpoint, arch):
+    path = tiny_checkpoint(arch)
+    _check_equal_to_rollout(path, _rollout_samples(path, seed=9))
+
+
+@pytest.mark.slow
+def test_exact_deepseek_v3_without_q_lora_and_interleave(tiny_checkpoint):
+    """The other MLA layout: q_proj instead of q_a/q_b, rotary dims in halves (rope_interleave
+    false), no YaRN."""
+    path = tiny_checkpoint("deepseek_v3", q_lora_rank=None, rope_interleave=False,
+                           rope_scaling={"rope_type": "default", "rope_theta": 10000.0})
+    _check_equal_to_rollout(path, _rollout_samples(path, seed=11))
+
+
 def test_exact_gradients_match_float64_reference(qwen3):
     """Both models replay the rollout's routing (no flip from float64 rounding); the loss is a
     weighted sum of target logprobs; every parameter's gradient agrees to float32 accuracy."""
+    _check_gradients(*qwen3)
+
+
+def test_exact_gradients_match_float64_reference_deepseek_v3(deepseek):
+    """As for Qwen3: the float64 reference is transformers' own DeepseekV3 (per-head K/V expanded
+    from the latent, transformers' YaRN), so the absorbed-MLA exact form is checked against an
+    independent computation."""
+    _check_gradients(*deepseek)
+
+
+def _check_gradients(path, samples) -> None:
     from trainer_bridge.packing import pack_samples
 
-    path, samples = qwen3
     exact, ref = _load(path, exact=True), _load(path, exact=False, dtype=torch.float64)
     mb = pack_samples(samples, pad_to_multiple=16)[0]
     weights = torch.linspace(-1.0, 1.0, mb.num_tokens)[None] * mb.loss_mask
@@ -121,11 +161,19 @@ def test_exact_gradients_match_float64_reference(qwen3):
 
 
 def test_grpo_step_under_deepspeed_is_exactly_on_policy(qwen3):
+    _check_grpo_step(*qwen3)
+
+
+@pytest.mark.slow
+def test_grpo_step_under_deepspeed_is_exactly_on_policy_deepseek_v3(deepseek):
+    _check_grpo_step(*deepseek)
+
+
+def _check_grpo_step(path, samples) -> None:
     from trainer_bridge import grpo_advantages
     from trainer_bridge.policy_trainer import PolicyTrainer
     from trainer_bridge.train_config import load_train_config
 
-    path, samples = qwen3
     cfg = load_train_config(None, exact=True, server_dtype="float32", model_path=str(path), zero_stage=2,
                             micro_batch_tokens=128, compare_no_replay=True, router_replay=True)
     trainer = PolicyTrainer(cfg, eos_id=2)
@@ -205,3 +253,40 @@ def test_max_dlp_metric_and_printout_are_exact():
            "k3_kl": 0.0, "f_tau2": 0.0, "rollout_s": 1.0, "train_s": 1.0, "sync_s": 0.1}
     assert "mismatch 0 (no replay 1e-06)  max|dlp| 0 (no replay 9.5367431640625e-07)" in step_line(rec, exact=True)
     assert "mismatch 0.0000 (no replay 0.0000)" in step_line(rec)
+
+
+def test_exact_config_refuses_an_architecture_it_cannot_match(tiny_checkpoint, tmp_path, capsys):
+    """exact: true with a checkpoint exact mode cannot match is a config error naming `exact`, the
+    architecture and the supported list, raised when the config is loaded: `python -m
+    trainer_bridge.train` stops at argument parsing, before any server starts."""
+    from pathlib import Path
+
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    from trainer_bridge.exact_model import EXACT_ARCHITECTURES
+    from trainer_bridge.train import main
+    from trainer_bridge.train_config import ConfigError, load_train_config
+
+    dense = tmp_path / "dense"
+    AutoModelForCausalLM.from_config(Qwen3Config(vocab_size=64, hidden_size=16, intermediate_size=32,
+                                                 num_hidden_layers=1, num_attention_heads=2,
+                                                 num_key_value_heads=1, head_dim=8)).save_pretrained(dense)
+    with pytest.raises(ConfigError, match=r"^exact: exact mode supports .*DeepseekV3ForCausalLM.*"
+                                          r"Glm4MoeForCausalLM.*, not Qwen3ForCausalLM"):
+        load_train_config(None, exact=True, server_dtype="float32", model_path=str(dense))
+    load_train_config(None, exact=False, server_dtype="float32", model_path=str(dense))   # fine without exact
+    for arch in ("qwen3_moe", "deepseek_v3", "glm4_moe"):
+        load_train_config(None, exact=True, server_dtype="float32", model_path=str(tiny_checkpoint(arch)))
+    # an architecture it supports, with a feature it cannot match: YaRN on a softmax-routed model
+    yarn = tiny_checkpoint("qwen3_moe", rope_parameters={"rope_type": "yarn", "factor": 2.0, "rope_theta": 1e6,
+                                                         "original_max_position_embeddings": 256})
+    with pytest.raises(ConfigError, match="^exact: exact mode needs default RoPE for Qwen3MoeForCausalLM"):
+        load_train_config(None, exact=True, server_dtype="float32", model_path=str(yarn))
+    config = Path(__file__).resolve().parent.parent / "configs" / "train" / "exact.yaml"
+    with pytest.raises(SystemExit) as stop:
+        main(["--config", str(config), "--set", f"model_path={dense}", "--set", f"run_dir={tmp_path / 'run'}"])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert "exact: exact mode supports" in err and "Qwen3ForCausalLM" in err
+    assert not (tmp_path / "run").exists()
+    assert len(EXACT_ARCHITECTURES) == 6

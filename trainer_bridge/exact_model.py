@@ -1,18 +1,22 @@
 """Exact mode: a transformers MoE model whose forward computes the engine's deterministic-mode numbers.
 
-``make_trainer_exact(model)`` swaps, in place, the classes of a transformers 5.x softmax-routed MoE
-model's modules (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE) for subclasses whose forward calls the
-batch-invariant ops of ``rollout.exact``, in the order the engine's models call them
-(rollout/models/*, deterministic inference): every ``nn.Linear`` (projections, dense MLPs,
-routers' siblings, lm_head) through ``rollout.exact.linear``; RMSNorm through ``rms_norm``; RoPE
-cos/sin from the engine's formula; attention through ``rollout.exact.attention`` per packed sample
-(keys counted from the sample's first token, so the key tiles line up with the engine's); the
-router's fp32 softmax and top-k by a stable descending sort (lower id wins ties); experts through
-``fused_experts`` (k slots summed in order); Qwen2-MoE's shared-expert gate through ``sigmoid``;
-SiLU through ``silu``. Parameters, their names and the state_dict are untouched, so DeepSpeed,
-weight sync and ``RouterReplay`` (its hooks sit on the routers, which keep their classes' MRO and
-their ``(logits, weights, ids)`` output) work as before. Every op is differentiable: the backward
-is autograd's through the same ops.
+``make_trainer_exact(model)`` swaps, in place, the classes of a transformers 5.x MoE model's
+modules (EXACT_ARCHITECTURES: Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE, DeepSeek-V3, GLM-4.5) for
+subclasses whose forward calls the batch-invariant ops of ``rollout.exact``, in the order the
+engine's models call them (rollout/models/*, deterministic inference): every ``nn.Linear``
+(projections, dense MLPs, routers' siblings, lm_head) through ``rollout.exact.linear``; RMSNorm
+through ``rms_norm``; RoPE cos/sin from the engine's formula (DeepSeek-V3 / GLM-4.5: the engine's
+RotaryEmbedding from its own ModelSpec: YaRN, partial rotary); attention through
+``rollout.exact.attention`` per packed sample (keys counted from the sample's first token, so the
+key tiles line up with the engine's; DeepSeek-V3's MLA in the engine's absorbed form,
+exact_mla.py); the softmax routers' fp32 softmax and top-k by a stable descending sort (lower id
+wins ties), the sigmoid routers by the engine's grouped_sigmoid_topk (exact_sigmoid_moe.py);
+experts through ``fused_experts`` (k slots summed in order); Qwen2-MoE's shared-expert gate
+through ``sigmoid``; SiLU through ``silu``. Parameters, their names and the state_dict are
+untouched, so DeepSpeed, weight sync and ``RouterReplay`` (its hooks sit on the routers, which
+keep their classes' MRO and their ``(logits, weights, ids)`` output) work as before. Every op is
+differentiable: the backward is autograd's through the same ops. ``check_exact_support`` is the
+refusal TrainConfig runs on the checkpoint's config.json before any server starts.
 """
 from __future__ import annotations
 
@@ -21,25 +25,17 @@ from torch import nn
 
 from rollout import exact as exact_ops
 
-__all__ = ["EXACT_ATTENTION", "make_trainer_exact", "packed_segments"]
+from .exact_grid import PackedGrid, packed_segments
+from .exact_mla import ExactMLAAttention
+from .exact_sigmoid_moe import ExactGroupedMoE, ExactGroupedRouter
+
+__all__ = ["EXACT_ARCHITECTURES", "EXACT_ATTENTION", "check_exact_support", "exact_attention_forward",
+           "make_trainer_exact", "packed_segments"]
 
 EXACT_ATTENTION = "rollout_exact"
-_SUPPORTED = ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "MixtralForCausalLM", "OlmoeForCausalLM")
-
-
-def packed_segments(position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """position_ids [N] of packed samples (each restarting at 0) -> (segment of each token [N],
-    offset of each token in its segment [N], longest segment). A segment starts where the position
-    does not continue the previous one; it must start at 0 (its first key is key 0)."""
-    n = position_ids.shape[0]
-    starts = torch.ones(n, dtype=torch.bool, device=position_ids.device)
-    starts[1:] = position_ids[1:] != position_ids[:-1] + 1
-    if bool((position_ids[starts] != 0).any()):
-        raise ValueError("exact attention: every packed sample must start at position 0 "
-                         f"(position_ids of segment starts: {position_ids[starts].tolist()[:8]})")
-    seg = torch.cumsum(starts.long(), 0) - 1                                       # [N]
-    offset = position_ids.long()
-    return seg, offset, int(offset.max()) + 1
+_SOFTMAX = ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "MixtralForCausalLM", "OlmoeForCausalLM")
+_GROUPED = ("DeepseekV3ForCausalLM", "Glm4MoeForCausalLM")      # sigmoid routing in groups (+ MLA)
+EXACT_ARCHITECTURES = _SOFTMAX + _GROUPED
 
 
 def exact_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -48,35 +44,17 @@ def exact_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.T
                             **kwargs):
     """transformers attention interface: query [1, H, N, D], key/value [1, kvH, N, D] of one packed
     row -> ([1, N, H, D], None), each sample attending causally to its own tokens only."""
-    if position_ids is None or query.shape[0] != 1:
-        raise ValueError("exact attention needs one packed row [1, N] and its position_ids (PackedBatch.model_inputs)")
+    grid = PackedGrid.from_position_ids(position_ids, query.shape[0])
     if dropout:
         raise ValueError(f"exact attention has no dropout (attention_dropout must be 0, got {dropout})")
-    _, h, n, d = query.shape
-    kvh, dv = key.shape[1], value.shape[-1]
-    seg, off, longest = packed_segments(position_ids.reshape(-1))
-    segments = int(seg[-1]) + 1
-    grid = seg * longest + off                                                     # [N] row in the grid
-    dev = query.device
-
-    def to_grid(x: torch.Tensor, heads: int, width: int) -> torch.Tensor:          # [1, heads, N, w] -> [S, heads, T, w]
-        flat = x[0].transpose(0, 1)                                                # [N, heads, w]
-        g = flat.new_zeros(segments * longest, heads, width).index_copy(0, grid, flat)
-        return g.view(segments, longest, heads, width).transpose(1, 2)
-
-    q = to_grid(query, h, d)
+    h, kvh = query.shape[1], key.shape[1]
+    q = grid.to_grid(query[0].transpose(0, 1)).transpose(1, 2)                     # [S, H, T, D]
     # NOTE: GQA as the engine: each kv head repeated for its query heads (repeat_interleave on heads)
-    k = to_grid(key, kvh, d).repeat_interleave(h // kvh, dim=1)
-    v = to_grid(value, kvh, dv).repeat_interleave(h // kvh, dim=1)
-    lengths = torch.bincount(seg, minlength=segments)                              # [S]
-    pos = torch.arange(longest, device=dev)
-    mask = (pos[None, :, None] >= pos[None, None, :]) & (pos[None, None, :] < lengths[:, None, None])  # [S, T, T]
-    if sliding_window:                                                             # NOTE: 0 / None: no window
-        mask &= pos[None, None, :] > pos[None, :, None] - sliding_window
+    k = grid.to_grid(key[0].transpose(0, 1)).transpose(1, 2).repeat_interleave(h // kvh, dim=1)
+    v = grid.to_grid(value[0].transpose(0, 1)).transpose(1, 2).repeat_interleave(h // kvh, dim=1)
     scale = module.scaling if scaling is None else scaling
-    out = exact_ops.attention(q, k, v, mask[:, None], scale)                       # [S, H, T, Dv]
-    out = out.transpose(1, 2).reshape(segments * longest, h, dv).index_select(0, grid)  # [N, H, Dv]
-    return out[None], None
+    out = exact_ops.attention(q, k, v, grid.causal_mask(sliding_window)[:, None], scale)   # [S, H, T, Dv]
+    return grid.from_grid(out.transpose(1, 2))[None], None                          # [1, N, H, Dv]
 
 
 # ---- the modules' exact forms ------------------------------------------------------------------
@@ -133,48 +111,89 @@ class _ExactSharedExpertBlock(nn.Module):
         return (out + shared).reshape(b, t, hidden)
 
 
-def _kind(module: nn.Module) -> type | None:
+class _EngineRotary(nn.Module):
+    """cos/sin by the engine's own rollout.models.layers.RotaryEmbedding (DeepSeek-V3's YaRN,
+    GLM-4.5's partial rotary), from the engine's ModelSpec (`exact_rope`, set by make_trainer_exact)."""
+
+    exact_rope: tuple   # (rotary_dim, rope_theta, YarnScaling or None)
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor):
+        from rollout.models.layers import RotaryEmbedding
+
+        cos, sin = RotaryEmbedding(*self.exact_rope).cos_sin(position_ids.reshape(-1), x.dtype)   # [N, 1, d]
+        return cos.view(*position_ids.shape, -1), sin.view(*position_ids.shape, -1)
+
+
+def _kind(module: nn.Module, grouped: bool) -> type | None:
     name = type(module).__name__
     if name.endswith("RMSNorm"):
         return _ExactRMSNorm
     if name.endswith("RotaryEmbedding"):
-        return _ExactRotary
+        return _EngineRotary if grouped else _ExactRotary
     if name.endswith("TopKRouter"):
         return _ExactRouter
+    if name.endswith("TopkRouter") and hasattr(module, "e_score_correction_bias"):
+        return ExactGroupedRouter
     if name.endswith("Experts") and hasattr(module, "gate_up_proj"):
         return _ExactExperts
     if name.endswith("MLP") and hasattr(module, "gate_proj"):
         return _ExactMLP
     if name.endswith("SparseMoeBlock") and hasattr(module, "shared_expert_gate"):
         return _ExactSharedExpertBlock
+    if name.endswith("MoE") and hasattr(module, "shared_experts") and hasattr(module, "gate"):
+        return ExactGroupedMoE
+    if name.endswith("Attention") and hasattr(module, "kv_b_proj"):
+        return ExactMLAAttention
     return None
 
 
+def check_exact_support(arch: str, cfg: dict):
+    """ValueError (naming exact mode, the architecture and the supported list) unless exact mode
+    can compute the engine's numbers for a checkpoint of `arch` with config.json `cfg`.
+    -> the engine's ModelSpec for the grouped-routing archs (their RoPE, MLA scale), else None."""
+    if arch not in EXACT_ARCHITECTURES:
+        raise ValueError(f"exact mode supports {list(EXACT_ARCHITECTURES)}, not {arch}")
+    if float(cfg.get("attention_dropout", 0.0) or 0.0):
+        raise ValueError(f"exact mode needs attention_dropout 0 ({arch} has {cfg['attention_dropout']})")
+    if arch in _SOFTMAX:
+        rope = {**(cfg.get("rope_scaling") or {}), **(cfg.get("rope_parameters") or {})}
+        rope_type = rope.get("rope_type") or rope.get("type") or "default"
+        if rope_type != "default":
+            raise ValueError(f"exact mode needs default RoPE for {arch}, the model has rope_type {rope_type!r}")
+        return None
+    from rollout.models.registry import model_class
+
+    try:
+        return model_class(arch).spec_from_config(cfg)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ValueError(f"exact mode: the engine cannot serve this {arch} checkpoint ({exc})") from None
+
+
 def make_trainer_exact(model: nn.Module) -> int:
-    """In place: model (a transformers softmax-routed MoE causal LM) computes as the engine's
-    deterministic mode. Returns how many modules changed. ValueError for an unsupported model."""
+    """In place: model (a transformers MoE causal LM of EXACT_ARCHITECTURES) computes as the
+    engine's deterministic mode. Returns how many modules changed. ValueError for an unsupported model."""
     from transformers import AttentionInterface
 
     arch = type(model).__name__
-    if arch not in _SUPPORTED:
-        raise ValueError(f"exact mode supports {list(_SUPPORTED)}, not {arch}")
-    cfg = model.config
-    rope = getattr(cfg, "rope_parameters", None) or {}
-    if rope.get("rope_type", "default") != "default":
-        raise ValueError(f"exact mode needs default RoPE, the model has rope_type {rope.get('rope_type')!r}")
-    if float(getattr(cfg, "attention_dropout", 0.0) or 0.0):
-        raise ValueError(f"exact mode needs attention_dropout 0, got {cfg.attention_dropout}")
+    if arch not in EXACT_ARCHITECTURES:
+        raise ValueError(f"exact mode supports {list(EXACT_ARCHITECTURES)}, not {arch}")
+    spec = check_exact_support(arch, model.config.to_dict())
     # NOTE: idempotent registration of a named function in transformers' attention registry
     AttentionInterface.register(EXACT_ATTENTION, exact_attention_forward)
-    cfg._attn_implementation = EXACT_ATTENTION
+    model.config._attn_implementation = EXACT_ATTENTION
     changed = exact_ops.make_exact(model)                                          # every nn.Linear
     made: dict[type, type] = {}
     for module in model.modules():
-        kind = _kind(module)
+        kind = _kind(module, grouped=spec is not None)
         if kind is not None and not isinstance(module, kind):
             base = type(module)
             if base not in made:
                 made[base] = type(f"Exact{base.__name__}", (kind, base), {})
             module.__class__ = made[base]
             changed += 1
+        if kind is _EngineRotary:
+            module.exact_rope = (spec.rotary_dim, spec.rope_theta, spec.rope_scaling)
+        elif kind is ExactMLAAttention:
+            module.exact_softmax_scale = float(spec.mla.softmax_scale)
+            module.exact_rope_interleave = bool(spec.mla.rope_interleave)
     return changed

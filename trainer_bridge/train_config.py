@@ -112,6 +112,8 @@ class TrainConfig:
                               f"got {self.server_dtype!r}")
         if self.samples_per_prompt < 2:
             raise ConfigError(f"samples_per_prompt: GRPO needs groups of at least 2, got {self.samples_per_prompt}")
+        if self.exact:
+            _check_exact_model(self.model_path)
 
     @property
     def loss_config(self) -> LossConfig:
@@ -130,6 +132,42 @@ class TrainConfig:
         d = dataclasses.asdict(self)
         d["loss"] = dataclasses.asdict(self.loss)
         return d
+
+
+def _checkpoint_config(model_path: str) -> dict:
+    """config.json of model_path: a local checkpoint directory, else what transformers resolves
+    (its cache; offline runs never download)."""
+    import json
+
+    local = Path(model_path) / "config.json"
+    if local.is_file():
+        try:
+            return json.loads(local.read_text())
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"model_path: cannot read {local}: {exc}") from None
+    try:
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(model_path).to_dict()
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"model_path: exact mode checks the checkpoint's architecture, but {model_path!r} "
+                          f"has no readable config.json ({exc})") from None
+
+
+def _check_exact_model(model_path: str) -> None:
+    """exact: true needs a checkpoint whose architecture exact mode matches bit for bit; refused
+    here, before any server starts (the trainer would refuse it only after they are up)."""
+    from .exact_model import EXACT_ARCHITECTURES, check_exact_support
+
+    cfg = _checkpoint_config(model_path)
+    archs = cfg.get("architectures") or []
+    if len(archs) != 1:
+        raise ConfigError(f"exact: exact mode supports {list(EXACT_ARCHITECTURES)}; the checkpoint "
+                          f"{model_path!r} names architectures {archs!r} (one expected)")
+    try:
+        check_exact_support(archs[0], cfg)
+    except ValueError as exc:
+        raise ConfigError(f"exact: {exc} (checkpoint {model_path!r}; exact: false runs it without exact mode)") from None
 
 
 # ---- loading ------------------------------------------------------------------------------------
