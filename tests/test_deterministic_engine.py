@@ -131,6 +131,16 @@ def test_target_among_200_short_requests(tiny_checkpoint):
     _same(alone, crowd)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("backends", [{}, dict(moe_backend="triton", attention_backend="triton")],
+                         ids=["torch_exact_ops", "triton_batch_invariant"])
+def test_gpu_request_is_batch_invariant(tiny_checkpoint, backends):
+    """The CPU check on CUDA: with the torch exact ops (the backends' default in this mode) and with
+    the Triton kernels in their batch-invariant form."""
+    alone = check_batch_invariance(tiny_checkpoint("qwen3_moe"), device="cuda", **backends)
+    assert alone.routed_experts.device.type == "cpu" and len(alone.output_ids) == TARGET["max_new_tokens"]
+
+
 BUCKETS = dict(decode_graph_batch_sizes=(1, 2, 4), prefill_graph_token_sizes=(16, 32), chunked_prefill_size=48)
 
 
