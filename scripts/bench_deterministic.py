@@ -4,7 +4,9 @@
 --interleave: instead, one EngineCore per mode in this process, the same requests in both, stepped
 alternately (default step, deterministic step, ...) with each step timed: on a shared, loaded
 host both modes then see the same load at the same moments, which alternating whole runs does
-not give. --cpu-threads sets the engines' torch threads (1 avoids stalls of a thread pool whose
+not give. Both cores first run an untimed warm-up pass; tok/s counts the tokens the engines
+emitted over the summed time of their steps (prefill and decode steps alike, no client or
+process overhead), so it is the engine's own rate and reads higher than end-to-end runs. --cpu-threads sets the engines' torch threads (1 avoids stalls of a thread pool whose
 threads the other jobs keep descheduled)."""
 from __future__ import annotations
 
@@ -29,25 +31,44 @@ MODES = ("default", "deterministic")
 
 
 def interleaved(model_path: str, prompts, max_news, cpu_threads) -> dict[str, float]:
-    """tok/s per mode: both engines in this process, stepped alternately, only their steps timed."""
+    """tok/s per mode: both engines in this process, stepped alternately, only their steps timed.
+    Both first run a warm-up pass (2 prompts x 2 samples, untimed) so that first-call costs (lazy
+    kernel and allocator set-up, first-touch pages) are not counted; the tokens are those the
+    engines actually emitted (their updates, read between the timed steps), checked against the
+    workload's max_new_tokens."""
     cores = {mode: EngineCore(EngineConfig(model_path=model_path, enable_return_routed_experts=True,
                                            enable_deterministic_inference=mode == "deterministic",
                                            cpu_threads=cpu_threads)) for mode in MODES}
+    step_all(cores, prompts[:2], [m[:2] for m in max_news[:2]])   # warm-up
+    busy, tokens = step_all(cores, prompts, max_news)
+    for mode in MODES:
+        assert tokens[mode] == sum(map(sum, max_news)), (mode, tokens[mode])
+    return {mode: tokens[mode] / busy[mode] for mode in MODES}
+
+
+def step_all(cores: dict, prompts, max_news) -> tuple[dict[str, float], dict[str, int]]:
+    """Adds the requests to every core and steps them alternately to the end: (busy s, tokens emitted)."""
     for core in cores.values():
         for uid, (prompt, k, m) in enumerate((p, k, m) for p, news in zip(prompts, max_news)
                                              for k, m in enumerate(news)):
-            core.add_request(Req(uid=uid, rid=str(uid), prompt_ids=prompt, seed=1000 + k,
+            core.add_request(Req(uid=uid, rid=str(uid), prompt_ids=prompt, seed=1000 + k, return_logprob=True,
                                  params=SamplingParams(temperature=1.0, max_new_tokens=m, ignore_eos=True),
                                  return_routed_experts=True, max_total_len=core.context_length))
-    busy = {mode: 0.0 for mode in MODES}
+    busy = {mode: 0.0 for mode in cores}
+    tokens = {mode: 0 for mode in cores}
+    finished = {mode: 0 for mode in cores}
     while any(core.has_work() for core in cores.values()):
         for mode, core in cores.items():
             if core.has_work():
                 t0 = time.perf_counter()
                 core.step()
                 busy[mode] += time.perf_counter() - t0
-    tokens = sum(map(sum, max_news))
-    return {mode: tokens / busy[mode] for mode in MODES}
+                for upd in core.take_updates():   # NOTE: untimed (the engine loop sends these between steps)
+                    tokens[mode] += len(upd.output_ids) // 4   # int32 bytes
+                    finished[mode] += upd.finished
+    count = sum(map(len, max_news))
+    assert all(n == count for n in finished.values()), (finished, count)
+    return busy, tokens
 
 
 def main(argv=None) -> None:

@@ -1,6 +1,7 @@
 """rollout.exact: each op's result for a row is the same bits whatever else is in the batch."""
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -25,6 +26,23 @@ def test_plain_cpu_matmul_is_not_batch_invariant_but_exact_linear_is():
     assert torch.allclose(exact.linear(x, w, b), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
     # every row position inside a tile
     for n in (1, 2, 3, 7, 9):   # narrow outputs (a shared-expert gate has one) take other GEMM paths
+        _rows_invariant(lambda t: exact.linear(t, w[:n]), x)
+    tile = exact.linear(x[:exact.ROW_TILE], w)
+    for i in range(exact.ROW_TILE):
+        assert torch.equal(exact.linear(x[i:i + 1], w), tile[i:i + 1]), i
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_exact_linear_is_batch_invariant(dtype):
+    """The CPU case above on CUDA: a row's exact.linear is the same bits in any batch size and at
+    any row position of a tile (whatever cuBLAS does for plain matmul, not asserted here)."""
+    g = torch.Generator().manual_seed(0)
+    x, w, b = (torch.randn(*shape, generator=g).to("cuda", dtype) for shape in ((600, 64), (96, 64), (96,)))
+    _rows_invariant(lambda t: exact.linear(t, w, b), x)
+    tol = 1e-2 if dtype == torch.bfloat16 else 1e-3   # NOTE: loose enough for TF32 in the reference
+    assert torch.allclose(exact.linear(x, w, b).float(), F.linear(x, w, b).float(), rtol=tol, atol=tol)
+    for n in (1, 2, 3, 7, 9):
         _rows_invariant(lambda t: exact.linear(t, w[:n]), x)
     tile = exact.linear(x[:exact.ROW_TILE], w)
     for i in range(exact.ROW_TILE):
