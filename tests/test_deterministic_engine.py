@@ -103,9 +103,6 @@ def check_batch_invariance(path, **engine_kw):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="known bug: the target, retracted in the middle of its chunked prefill "
-                                       "(10 of 45 prompt tokens computed) and prefilled again, gets other "
-                                       "logits than alone, so other tokens from the first on")
 def test_retracted_target_is_recomputed_exactly(tiny_checkpoint):
     """The target itself retracted and recomputed (asserted), with others arriving mid-decode."""
     path = tiny_checkpoint("qwen3_moe")

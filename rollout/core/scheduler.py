@@ -2,7 +2,7 @@
 
 Each step is one forward over a list of (request, new tokens) pairs: a prefill step (new and
 chunked requests, at most `prefill_token_budget` tokens) when anything waits and fits, else a
-decode step over every running request. When KV runs out during decode the newest running
+decode step over every running request whose prompt is computed. When KV runs out during decode the newest running
 requests are retracted: their KV goes to the prefix cache and they re-queue at the front.
 """
 from __future__ import annotations
@@ -260,18 +260,30 @@ class Scheduler:
         return False
 
     def _schedule_decode(self) -> Optional[ScheduledBatch]:
+        """One token for every running request whose prompt is computed. A request still in its
+        chunked prefill is not decoded: its next chunk did not fit (this step had no prefill), and
+        a decode would sample from a position inside its prompt. When nothing can decode, the newest
+        running request is retracted so that the prefill of the others can go on."""
         if not self.running:
             return None
+        retracted = False
         while True:
-            slots = self._alloc(len(self.running))
+            ready = [r for r in self.running if r.kv_len >= r.seq_len - 1]
+            if not ready:
+                # NOTE: every running request is mid-prefill and none of their chunks fitted
+                if not retracted and len(self.running) > 1:
+                    self.retract(max(self.running, key=lambda r: r.admit_seq))
+                return None   # the freed KV goes to the prefill of the next step
+            slots = self._alloc(len(ready))
             if slots is not None:
                 break
             if len(self.running) == 1:
                 return None  # NOTE: cannot happen: requests that cannot fit alone are rejected up front
             self.retract(max(self.running, key=lambda r: r.admit_seq))
+            retracted = True
         # NOTE: shortest first: attention cuts a decode batch into runs of similar length
         # (ForwardBatch.segments), so that short requests do not pad to the longest.
-        reqs = sorted(self.running, key=attrgetter("kv_len"))
+        reqs = sorted(ready, key=attrgetter("kv_len"))
         pre = [r.kv_len for r in reqs]
         rows = torch.tensor([r.req_to_token_row for r in reqs], dtype=torch.int64)
         self.req_to_token.append_one(rows, torch.tensor(pre, dtype=torch.int64), slots)
