@@ -12,6 +12,7 @@ from starlette.responses import Response
 from capture.codec import encode_engine_rows
 from rollout.generate_io import GenerateArgs, RolloutOutput, StreamChunk
 from rollout.server.completion_echo import CompletionEcho
+from rollout.server.event_encoder import EventEncoder, chunk_entries
 from rollout.frontend.async_generation import EngineStream
 from rollout.frontend.api import EngineDeadError
 from rollout.server.http_io import (OFF_LOOP_CHARS, ApiError, JSONBytesResponse, SSEResponse, TextBound, dumps_bytes,
@@ -335,11 +336,35 @@ class OpenAIServing:
             answer["sglext"] = exts[0]
         return answer
 
+    @staticmethod
+    def _entries(chunk: StreamChunk, incremental: bool) -> int:
+        """The size of a chunk's event (EventEncoder: large ones are built off the loop); the last
+        chunk of a cumulative stream carries the whole routing."""
+        rows = chunk.routed_experts
+        if chunk.finished and not incremental and chunk.output.routed_experts is not None:
+            rows = chunk.output.routed_experts
+        return chunk_entries(len(chunk.output_ids), chunk.output_top_logprobs, chunk.output_logprobs is not None,
+                             0 if rows is None else len(rows))
+
     def _stream(self, es: "EngineStream", meta: dict, chunk_obj: str, fmt: str, include_usage: bool,
                 delta_of: Callable[[StreamChunk], dict], opening: Optional[dict], token_ids: bool,
                 incremental: bool) -> Response:
         """The SSE stream of a streaming request."""
         index = {rid: i for i, rid in enumerate(es.rids)}
+
+        encoder = EventEncoder()
+
+        def event(chunk: StreamChunk) -> dict:
+            choice = {"index": index[chunk.rid], **delta_of(chunk), "finish_reason": None}
+            if token_ids:
+                choice["token_ids"] = list(chunk.output_ids)
+            if chunk.finished:
+                choice["finish_reason"], choice["matched_stop"] = self._finish(chunk.output)
+            obj = {**meta, "object": chunk_obj, "choices": [choice]}
+            ext = self._chunk_ext(chunk, fmt, incremental)
+            if ext is not None:
+                obj["sglext"] = ext
+            return obj
 
         async def events() -> AsyncIterator[Union[str, bytes]]:
             finals = []
@@ -352,17 +377,10 @@ class OpenAIServing:
                     if chunk is None:
                         yield ": keep-alive\n\n"
                         continue
-                    choice = {"index": index[chunk.rid], **delta_of(chunk), "finish_reason": None}
-                    if token_ids:
-                        choice["token_ids"] = list(chunk.output_ids)
                     if chunk.finished:
-                        choice["finish_reason"], choice["matched_stop"] = self._finish(chunk.output)
                         finals.append(chunk.output)
-                    obj = {**meta, "object": chunk_obj, "choices": [choice]}
-                    ext = self._chunk_ext(chunk, fmt, incremental)
-                    if ext is not None:
-                        obj["sglext"] = ext
-                    yield sse(obj)
+                    for piece in await encoder.pieces(lambda c=chunk: event(c), self._entries(chunk, incremental)):
+                        yield piece
             except EngineDeadError as exc:   # NOTE: the stream has begun: its end says why, as /generate's
                 yield sse(error_body(str(exc), "server_error", code=503))
                 yield "data: [DONE]\n\n"
