@@ -228,13 +228,16 @@ def test_rid_that_names_a_sample_of_another_prompt_is_refused(server, admin):
     assert_idle_and_clean(admin)
 
 
-def test_processed_logprobs_with_top_k_carry_no_null(server, admin):
+@pytest.mark.parametrize("truncation", [{"top_k": 2}, {"top_p": 0.3}, {"min_p": 0.5}])
+def test_processed_logprobs_with_truncation_carry_no_null(server, admin, truncation):
     body = {"input_ids": [5, 6, 7, 8], "return_logprob": True, "top_logprobs_num": 5, "logprob_start_len": 0,
-            "sampling_params": {"max_new_tokens": 6, "temperature": 1.0, "top_k": 2, "sampling_seed": 3,
+            "sampling_params": {"max_new_tokens": 6, "temperature": 1.0, "sampling_seed": 3, **truncation,
                                 "logprob_mode": "processed", "ignore_eos": True}}
     meta = admin.post("/generate", json=body).json()["meta_info"]
     rows = meta["output_top_logprobs"]
-    assert len(rows) == 6 and all(len(row) == 2 for row in rows), rows
+    assert len(rows) == 6 and all(1 <= len(row) <= 5 for row in rows), rows
+    if "top_k" in truncation:
+        assert all(len(row) == 2 for row in rows), rows
     assert all(isinstance(e[0], float) for row in rows for e in row)
     assert all(isinstance(e[0], float) for e in meta["output_token_logprobs"])
 
