@@ -63,6 +63,9 @@ def cases(url: str):
                                                        "stop_regex": "([\\s\\S]+)+\u0000"}}
     big = {"input_ids": [5, 6, 7], "return_logprob": True, "top_logprobs_num": 20, "return_routed_experts": True,
            "sampling_params": {"max_new_tokens": 64, "n": 128, "temperature": 1.0, "ignore_eos": True}}
+    streamed = {"input_ids": [5, 6, 7], "stream": True, "return_logprob": True, "top_logprobs_num": 20,
+                "return_routed_experts": True,
+                "sampling_params": {"max_new_tokens": 800, "n": 8, "temperature": 1.0, "ignore_eos": True}}
 
     def post(path, body):
         data = json.dumps(body).encode()
@@ -71,16 +74,31 @@ def cases(url: str):
             return c.post(path, content=data, headers={"content-type": "application/json"}).status_code
         return run
 
-    def slowloris(c):
-        socks = []
-        for _ in range(200):
-            s = socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1])))
-            s.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n{")
-            socks.append(s)
-        time.sleep(2.0)
-        for s in socks:
-            s.close()
-        return 200
+    def stream(body):
+        data = json.dumps(body).encode()
+
+        def run(c):
+            sent = 0
+            with c.stream("POST", "/generate", content=data, headers={"content-type": "application/json"}) as r:
+                for piece in r.iter_raw(1 << 20):
+                    sent += len(piece)
+            print(f"  streamed {sent / 1e6:.0f} MB", flush=True)
+            return r.status_code
+        return run
+
+    def connections(first_bytes: bytes):
+        def run(c):
+            socks = []
+            for _ in range(200):
+                s = socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1])))
+                if first_bytes:
+                    s.sendall(first_bytes)
+                socks.append(s)
+            time.sleep(2.0)
+            for s in socks:
+                s.close()
+            return 200
+        return run
 
     return [("stop_regex ([\\s\\S]+)+\\0, 48 tokens", post("/generate", regex)),
             ("8 MB text (400)", post("/generate", {"text": huge8})),
@@ -88,7 +106,12 @@ def cases(url: str):
             ("30 MB chat (400)", post("/v1/chat/completions",
                                       {"model": "m", "messages": [{"role": "user", "content": huge30}]})),
             ("n=128 top-20 routing answer", post("/generate", big)),
-            ("200 partial-body connections", slowloris)]
+            ("cumulative stream n=8 800 tok top-20 routing", stream(streamed)),
+            ("incremental stream n=8 800 tok top-20 routing", stream({**streamed, "incremental_streaming_output": True})),
+            ("200 partial-body connections",
+             connections(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n{")),
+            ("200 partial-header connections", connections(b"POST /generate HTTP/1.1\r\nHost: x\r\n")),
+            ("200 silent connections", connections(b""))]
 
 
 def main() -> None:

@@ -26,9 +26,16 @@ def prompts(seed, lengths, vocab=576):
 
 
 @pytest.fixture(scope="module")
-def server():
+def weight_dir(tmp_path_factory):
+    """A directory the server's /update_weights_from_disk may read (--allowed-weight-dirs)."""
+    return tmp_path_factory.mktemp("weights")
+
+
+@pytest.fixture(scope="module")
+def server(weight_dir):
     with ServerProcess(["--enable-return-routed-experts", "--enable-debug-endpoints", "--admin-api-key", ADMIN_KEY,
-                        "--dtype", "float32", "--max-running-requests", "4"]) as srv:
+                        "--dtype", "float32", "--max-running-requests", "4",
+                        "--allowed-weight-dirs", str(weight_dir)]) as srv:
         yield srv
         assert srv.alive, srv.log()
 
@@ -45,7 +52,9 @@ def shape(admin):
     return info["num_hidden_layers"], info["num_experts_per_tok"]
 
 
-PROBE_GAP_S = 2.0          # generous (CI is noisy); the measured worst stalls are in docs/benchmarks.md
+# NOTE: what a loaded 2-core CI host holds (the tests' worst gaps measured there: docs/benchmarks.md,
+# Hostile input); the ~100 ms target is the benchmark's (scripts/bench_hostile.py), on a quiet host
+PROBE_GAP_S = 1.0
 PROBE_RSS_BYTES = 300 * 2**20
 
 

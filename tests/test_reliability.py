@@ -12,7 +12,7 @@ import pytest
 from core_driver import CoreDriver
 
 from reliability_server import (ADMIN_KEY, GREEDY, admin, assert_idle_and_clean, check_routing,  # noqa: F401
-                                generate_all, health_probe, prompts, server, shape)
+                                generate_all, health_probe, prompts, server, shape, weight_dir)
 from rollout.config import DEFAULT_MODEL_PATH, EngineConfig
 from rollout.core.engine_core import EngineCore
 from rollout.core.output_processor import ABORT_BEFORE_PREFILL

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file, save
 
 from reliability_server import (GREEDY, admin, assert_idle_and_clean, check_routing, health_probe,  # noqa: F401
-                                prompts, server, shape)
+                                prompts, server, shape, weight_dir)
 from rollout.config import DEFAULT_MODEL_PATH
 from server_proc import ServerProcess, wait_idle
 from trainer_bridge.client import RolloutClient

@@ -6,6 +6,7 @@ so "nothing left" is checked exactly."""
 import json
 import os
 import signal
+import socket
 import threading
 import time
 
@@ -79,6 +80,15 @@ def test_signal_drains_then_aborts_with_exact_partials(tmp_path, sig, code):
         assert not prober.failures and prober.worst_s < PROBE_GAP_S, (prober.failures[:3], prober.worst_s)
         # NOTE: SIGINT to the whole group, as a terminal's Ctrl-C: the engine must outlive it
         os.killpg(proc.pid, sig) if sig == signal.SIGINT else proc.send_signal(sig)
+        port, refused = int(url.rsplit(":", 1)[1]), False
+        deadline = time.monotonic() + 3.0     # NOTE: well inside the 4 s drain: the listener closes first
+        while not refused and time.monotonic() < deadline:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                time.sleep(0.05)
+            except ConnectionRefusedError:
+                refused = True
+        assert refused and proc.poll() is None, "new connections still accepted during the drain"
         for t in threads:
             t.join(120)
         assert proc.wait(60) == code, srv.log()[-3000:]
@@ -137,10 +147,13 @@ def test_kill9_leaves_nothing_a_restart_does_not_clean(tmp_path):
         srv.stop()
     left = [n for n in _left(tmp_path) if n.startswith("rollout-")]
     assert any(n.startswith("rollout-weights-") for n in left) and len(left) == 2, left
-    # ... until the next server starts; SIGTERM then leaves nothing
+    # ... until the next server starts; SIGTERM then leaves nothing, also while its weights are released
     with _server(tmp_path) as srv:
         assert not set(left) & set(_left(tmp_path)), _left(tmp_path)
         assert httpx.get(srv.url + "/health_generate", timeout=60).status_code == 200
+        assert httpx.post(srv.url + "/release_memory_occupation", json={}, headers=HEADERS,
+                          timeout=60).status_code == 200
+        assert any(n.startswith("rollout-weights-") for n in _left(tmp_path)), _left(tmp_path)
         proc = srv._server.proc
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0
@@ -191,3 +204,55 @@ def test_bad_index_keeps_weights_and_memory_returns_after_huge_answers(tmp_path)
         for grown in (after_refused - base, rss.memory_info().rss - base):
             assert grown < 150 * 2**20, grown / 2**20
         assert not prober.failures and prober.worst_s < PROBE_GAP_S, (prober.failures[:3], prober.worst_s)
+
+
+def test_engine_death_ends_openai_and_generate_streams_with_an_error_event(tmp_path):
+    """The engine killed mid-stream: each /v1/chat/completions, /v1/completions and /generate stream
+    ends with a 503 error event and [DONE]; /health fails and the server exits 1, its files removed."""
+    srv = _server(tmp_path).start()
+    proc = srv._server.proc
+    streams = {"chat": ("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                                                 "max_tokens": 1900, "ignore_eos": True, "stream": True}),
+               "completions": ("/v1/completions", {"model": "m", "prompt": "hello", "max_tokens": 1900,
+                                                   "ignore_eos": True, "stream": True}),
+               "generate": ("/generate", {"input_ids": PROMPT, "sampling_params": LONG, "stream": True})}
+    results, started = {}, {name: threading.Event() for name in streams}
+
+    def call(name):
+        path, body = streams[name]
+        lines = []
+        try:
+            with httpx.stream("POST", srv.url + path, json=body, timeout=120) as r:
+                for line in r.iter_lines():
+                    lines.append(line)
+                    if len(lines) > 6:
+                        started[name].set()
+            results[name] = (r.status_code, lines)
+        except httpx.HTTPError as exc:
+            results[name] = ("lost", [repr(exc)])
+        started[name].set()
+
+    threads = [threading.Thread(target=call, args=(name,)) for name in streams]
+    try:
+        for t in threads:
+            t.start()
+        assert all(e.wait(120) for e in started.values())
+        psutil.Process(proc.pid).children()[0].kill()
+        for t in threads:
+            t.join(60)
+        try:
+            assert httpx.get(srv.url + "/health", timeout=5).status_code != 200
+        except httpx.HTTPError:
+            pass   # already gone
+        assert proc.wait(60) == 1, srv.log()[-2000:]
+    finally:
+        srv.stop()
+    for name in streams:
+        status, lines = results[name]
+        assert status == 200, (name, lines[-3:])
+        events = [line[6:] for line in lines if line.startswith("data: ")]
+        assert events[-1] == "[DONE]", (name, events[-3:])
+        err = json.loads(events[-2])["error"]
+        assert err["code"] == 503 and err["type"] == "server_error", (name, err)
+        assert len(events) > 3, (name, events)     # the stream had begun: partial chunks came first
+    assert not [n for n in _left(tmp_path) if n.startswith("rollout-")], _left(tmp_path)

@@ -527,7 +527,7 @@ def test_server_args_cli():
         "stream_interval", "max_capture_buffer_rows", "enable_profile_graph_capture", "profile_graph_capture_dir",
         "moe_backend", "attention_backend", "host", "port", "served_model_name", "api_key", "admin_api_key",
         "allowed_weight_dirs", "max_request_bytes", "log_level", "enable_debug_endpoints", "timeout_keep_alive",
-        "timeout_read", "shutdown_drain_s",
+        "timeout_read", "max_connections", "shutdown_drain_s",
         "incremental_streaming_output", "allow_pickled_weight_tensors", "default_return_routed_experts",
         "allow_auto_truncate", "weight_update_bucket_bytes"}
     assert flat["disable_prefix_caching"] is True and flat["chunked_prefill_size"] is None

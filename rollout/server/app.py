@@ -156,7 +156,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         shown = f"[{host}]" if ":" in host else host
         print(f"rollout-serve listening on http://{shown}:{port}", flush=True)
         config = uvicorn.Config(app, log_level=args.log_level, timeout_keep_alive=args.timeout_keep_alive,
-                                http=timed_protocol(args.timeout_read), access_log=args.log_level == "debug")
+                                http=timed_protocol(args.timeout_read, args.connection_cap), access_log=args.log_level == "debug")
         server = GracefulServer(config, engine=engine, drain_s=args.shutdown_drain_s, state=app.state.shutdown)
 
         def on_engine_dead(reason: str) -> None:

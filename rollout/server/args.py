@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import resource
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
@@ -17,6 +18,19 @@ DEFAULT_TIMEOUT_READ_S = 60
 # are 30 s by default), leaving time to abort the rest and write their partial answers
 DEFAULT_SHUTDOWN_DRAIN_S = 20.0
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+# NOTE: file descriptors kept for the server's own use (engine pipes and shared memory, checkpoint
+# files, logs) when the connection cap is derived from the process's RLIMIT_NOFILE
+FD_RESERVE = 256
+MIN_CONNECTIONS = 64
+
+
+def default_max_connections() -> int:
+    """The connection cap when --max-connections is not given: the soft RLIMIT_NOFILE (`ulimit -n`)
+    less FD_RESERVE, at least MIN_CONNECTIONS."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        soft = 1 << 20
+    return max(MIN_CONNECTIONS, soft - FD_RESERVE)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -38,6 +52,8 @@ class ServerArgs:
     timeout_keep_alive: int = DEFAULT_TIMEOUT_KEEP_ALIVE
     # a connection's request headers, then its body, must each arrive within this (slowloris)
     timeout_read: int = DEFAULT_TIMEOUT_READ_S
+    # open HTTP connections past this get a JSON 503 and are closed (None: from RLIMIT_NOFILE)
+    max_connections: Optional[int] = None
     # on SIGTERM / SIGINT: how long the requests in flight may run on before they are aborted
     shutdown_drain_s: float = DEFAULT_SHUTDOWN_DRAIN_S
     incremental_streaming_output: bool = False
@@ -61,6 +77,9 @@ class ServerArgs:
         if isinstance(self.timeout_read, bool) or not isinstance(self.timeout_read, int) \
                 or not 1 <= self.timeout_read <= 86400:
             raise ValueError(f"timeout_read must be an integer in [1, 86400] (seconds), got {self.timeout_read!r}")
+        if self.max_connections is not None and (isinstance(self.max_connections, bool) or not isinstance(
+                self.max_connections, int) or not 1 <= self.max_connections <= 1 << 24):
+            raise ValueError(f"max_connections must be an integer in [1, {1 << 24}], got {self.max_connections!r}")
         if isinstance(self.shutdown_drain_s, bool) or not isinstance(self.shutdown_drain_s, (int, float)) \
                 or not 0 <= self.shutdown_drain_s <= 86400:
             raise ValueError(f"shutdown_drain_s must be a number in [0, 86400] (seconds), "
@@ -80,6 +99,11 @@ class ServerArgs:
     def model_name(self) -> str:
         """The name /v1/models lists (the model directory's name unless --served-model-name)."""
         return self.served_model_name or os.path.basename(os.path.normpath(self.engine.model_path))
+
+    @property
+    def connection_cap(self) -> int:
+        """The open connections served at once (--max-connections, else default_max_connections())."""
+        return self.max_connections if self.max_connections is not None else default_max_connections()
 
     @property
     def weight_dirs(self) -> tuple[str, ...]:
@@ -120,6 +144,10 @@ class ServerArgs:
         h.add_argument("--timeout-read", type=int, default=DEFAULT_TIMEOUT_READ_S,
                        help="seconds a connection may take to send a request's headers, and then its body "
                             "(slower or silent connections are closed)")
+        h.add_argument("--max-connections", type=int, default=None,
+                       help="open HTTP connections served at once; a request on a connection past it gets a JSON "
+                            f"503 and the connection closes (default: `ulimit -n` less {FD_RESERVE}, at least "
+                            f"{MIN_CONNECTIONS})")
         h.add_argument("--shutdown-drain-s", type=float, default=DEFAULT_SHUTDOWN_DRAIN_S,
                        help="on SIGTERM/SIGINT: seconds the requests in flight may run on before the rest are "
                             "aborted (partial outputs, finish_reason abort); a second signal aborts at once")

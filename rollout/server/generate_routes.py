@@ -163,7 +163,8 @@ def _prompts(body: dict, tokenize: Callable[[list[str]], list[list[int]]]) -> tu
         prompts = tokenize(texts)
         for i, p in enumerate(prompts):
             if not p:
-                raise ApiError(400, f"text[{i}] encodes to no tokens: a prompt needs at least one", param="text")
+                name = f"text[{i}]" if batch else "text"
+                raise ApiError(400, f"{name} encodes to no tokens: a prompt needs at least one", param="text")
         return batch, prompts
     if isinstance(ids, list) and ids and all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
         return False, [ids]
@@ -245,7 +246,10 @@ def add_generate_routes(app: FastAPI, *, engine: Rollout, args: ServerArgs, metr
         except ValueError as exc:
             err = _engine_error(exc, ERROR_PARAMS)
             if body.get("text") is not None and err.param == "input_ids":
-                err.param, err.message = "text", "text" + err.message.removeprefix("input_ids")
+                rest = err.message.removeprefix("input_ids")
+                # NOTE: a single text is `text`, not `text[0]` (the engine sees a list of prompts)
+                err.param, err.message = "text", "text" + (rest.removeprefix("[0]") if isinstance(
+                    body.get("text"), str) else rest)
             raise err from None
         decode = lambda t: engine.tokenizer.decode([t], skip_special_tokens=False)  # noqa: E731
         if not call.stream:

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Union
 from capture.codec import encode_engine_rows
 from rollout.frontend.api import EngineDeadError
 from rollout.frontend.async_generation import EngineStream
+from rollout.server.event_encoder import EventEncoder, chunk_entries
 from rollout.server.http_io import error_body, sse
 from rollout.generate_io import StreamChunk
 
@@ -49,22 +50,40 @@ class GenerateStream:
 
     async def events(self) -> AsyncIterator[Union[str, bytes]]:
         ending = None   # the error event after the last chunk (the shutdown aborted a request)
+        encoder = EventEncoder()
         try:
             async for chunk in self.es.items(keepalive=True):
                 if chunk is None:
                     yield ": keep-alive\n\n"
                     continue
-                obj = self._incremental(chunk) if self.call.incremental else self._cumulative(chunk)
-                if self.multi:
-                    obj["index"] = self.index[chunk.rid]
                 if chunk.finished:
                     ending = ending or self.shutdown.error_for(chunk.output)
-                yield sse(obj)
+                for piece in await encoder.pieces(lambda c=chunk: self._event(c), self._entries(chunk)):
+                    yield piece
         except EngineDeadError as exc:
             ending = error_body(str(exc), "server_error", code=503)
         if ending is not None:
             yield sse(ending)
         yield "data: [DONE]\n\n"
+
+    def _event(self, chunk: StreamChunk) -> dict:
+        obj = self._incremental(chunk) if self.call.incremental else self._cumulative(chunk)
+        if self.multi:
+            obj["index"] = self.index[chunk.rid]
+        return obj
+
+    def _entries(self, chunk: StreamChunk) -> int:
+        """The size of the chunk's event (EventEncoder: large ones are built off the loop)."""
+        if chunk.finished:
+            out = chunk.output
+            rows = out.routed_experts
+            return chunk_entries(len(out.output_ids), out.output_top_logprobs, out.output_logprobs is not None,
+                                 0 if rows is None else len(rows))
+        tokens = len(chunk.output_ids) if self.call.incremental else len(self.progress[chunk.rid].ids) + len(
+            chunk.output_ids)
+        rows = chunk.routed_experts
+        return chunk_entries(tokens, chunk.output_top_logprobs, chunk.output_logprobs is not None,
+                             0 if rows is None else len(rows))
 
     def _final_meta(self, chunk: StreamChunk, *, with_routing: bool) -> dict:
         out = chunk.output

@@ -134,16 +134,33 @@ class Guard:
         await self.app(scope, limited_receive, send)
 
 
-def timed_protocol(timeout_s: float) -> type:
-    """An HttpToolsProtocol class whose reads must finish within timeout_s (uvicorn.Config(http=...))."""
+OVER_CAP_READ_S = 2.0   # a connection past the cap must send its request's headers within this
+
+
+async def _over_capacity(scope: dict, receive: Callable, send: Callable) -> None:
+    """The answer on a connection past --max-connections (JSON, and the connection closes)."""
+    data = json.dumps(error_body("the server has too many open connections (--max-connections); retry later",
+                                 "server_error", code=503)).encode()
+    await send({"type": "http.response.start", "status": 503,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode()),
+                            (b"connection", b"close")]})
+    await send({"type": "http.response.body", "body": data})
+
+
+def timed_protocol(timeout_s: float, max_connections: Optional[int] = None) -> type:
+    """An HttpToolsProtocol class whose reads must finish within timeout_s (uvicorn.Config(http=...));
+    with max_connections, a connection opened past that many open ones is answered 503 (JSON) on its
+    first request and closed, and gets OVER_CAP_READ_S to send it (its descriptor is freed soon)."""
 
     class TimedHttpToolsProtocol(HttpToolsProtocol):
         _deadline: Optional[asyncio.TimerHandle] = None
         _reading = False      # a request's headers or body are being read
+        _over = False         # opened past max_connections
 
         def _arm(self) -> None:
             self._disarm()
-            self._deadline = self.loop.call_later(timeout_s, self._expired)
+            limit = min(timeout_s, OVER_CAP_READ_S) if self._over else timeout_s
+            self._deadline = self.loop.call_later(limit, self._expired)
 
         def _disarm(self) -> None:
             if self._deadline is not None:
@@ -157,6 +174,7 @@ def timed_protocol(timeout_s: float) -> type:
 
         def connection_made(self, transport: Any) -> None:
             super().connection_made(transport)
+            self._over = max_connections is not None and len(self.connections) > max_connections
             self._reading = True
             self._arm()
 
@@ -171,7 +189,14 @@ def timed_protocol(timeout_s: float) -> type:
             super().data_received(data)
 
         def on_headers_complete(self) -> None:
-            super().on_headers_complete()
+            if self._over:
+                app, self.app = self.app, _over_capacity
+                try:
+                    super().on_headers_complete()
+                finally:
+                    self.app = app
+            else:
+                super().on_headers_complete()
             self._arm()                 # the body's deadline (the request is answered from here on)
 
         def on_message_complete(self) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from typing import Any, AsyncIterator, Callable, Optional, Union
+from typing import Any, Callable, Optional
 
 from starlette.requests import Request
 from starlette.responses import Response
@@ -12,10 +12,10 @@ from starlette.responses import Response
 from capture.codec import encode_engine_rows
 from rollout.generate_io import GenerateArgs, RolloutOutput, StreamChunk
 from rollout.server.completion_echo import CompletionEcho
+from rollout.server.openai_stream import openai_stream
 from rollout.frontend.async_generation import EngineStream
-from rollout.frontend.api import EngineDeadError
-from rollout.server.http_io import (OFF_LOOP_CHARS, ApiError, JSONBytesResponse, SSEResponse, TextBound, dumps_bytes,
-                                    error_body, large_answer, param_of, routing_format, sse)
+from rollout.server.http_io import (OFF_LOOP_CHARS, ApiError, JSONBytesResponse, TextBound, dumps_bytes, large_answer,
+                                    param_of, routing_format)
 
 # NOTE: "stream_options", "user", "metadata" and similar OpenAI fields that do not change the
 # output are accepted and ignored, like other OpenAI-compatible servers do.
@@ -338,44 +338,6 @@ class OpenAIServing:
     def _stream(self, es: "EngineStream", meta: dict, chunk_obj: str, fmt: str, include_usage: bool,
                 delta_of: Callable[[StreamChunk], dict], opening: Optional[dict], token_ids: bool,
                 incremental: bool) -> Response:
-        """The SSE stream of a streaming request."""
-        index = {rid: i for i, rid in enumerate(es.rids)}
-
-        async def events() -> AsyncIterator[Union[str, bytes]]:
-            finals = []
-            if opening is not None:
-                for rid in es.rids:
-                    yield sse({**meta, "object": chunk_obj,
-                               "choices": [{"index": index[rid], **opening, "finish_reason": None}]})
-            try:
-                async for chunk in es.items(keepalive=True):
-                    if chunk is None:
-                        yield ": keep-alive\n\n"
-                        continue
-                    choice = {"index": index[chunk.rid], **delta_of(chunk), "finish_reason": None}
-                    if token_ids:
-                        choice["token_ids"] = list(chunk.output_ids)
-                    if chunk.finished:
-                        choice["finish_reason"], choice["matched_stop"] = self._finish(chunk.output)
-                        finals.append(chunk.output)
-                    obj = {**meta, "object": chunk_obj, "choices": [choice]}
-                    ext = self._chunk_ext(chunk, fmt, incremental)
-                    if ext is not None:
-                        obj["sglext"] = ext
-                    yield sse(obj)
-            except EngineDeadError as exc:   # NOTE: the stream has begun: its end says why, as /generate's
-                yield sse(error_body(str(exc), "server_error", code=503))
-                yield "data: [DONE]\n\n"
-                return
-            self.metrics.finished(finals)
-            if include_usage:
-                finals.sort(key=lambda o: index[o.rid])
-                usage = self._usage(finals, es.submission.prompt_index)
-                yield sse({**meta, "object": chunk_obj, "choices": [], "usage": usage})
-            ending = next((e for e in map(self.shutdown.error_for, finals) if e is not None), None) \
-                if self.shutdown is not None else None
-            if ending is not None:
-                yield sse(ending)
-            yield "data: [DONE]\n\n"
-
-        return SSEResponse(events(), es.close)
+        """The SSE stream of a streaming request (openai_stream.py)."""
+        return openai_stream(self, es, meta, chunk_obj, fmt, include_usage, delta_of, opening, token_ids,
+                             incremental)
