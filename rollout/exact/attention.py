@@ -37,33 +37,52 @@ def tree_sum(x: torch.Tensor, dim: int) -> torch.Tensor:
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
-    """q [B, G, R, D], k [B, G, S, D], v [B, G, S, Dv], mask bool [B, 1 or G, R, S] (True = attend;
-    key s of request b is its position s) -> [B, G, R, Dv] in q's dtype, computed in fp32.
+    """q [B, G, R, D], k [B, G, S, D], v [B, G, S, Dv], mask bool [B, 1 or G, R or 1, S] (True =
+    attend; key s of request b is its position s; R 1: the same keys for every row) -> [B, G, R, Dv]
+    in q's dtype, computed in fp32.
 
     Rows whose mask admits no key get 0."""
     b, g, r, d = q.shape
     s, dv = k.shape[2], v.shape[-1]
-    mg = mask.shape[1]
-    mask = mask.expand(b, mg, r, s)
     pr, ps = (-r) % Q_TILE, (-s) % K_TILE
     nq, nk = (r + pr) // Q_TILE, (s + ps) // K_TILE
     qf, kf, vf = _pad_rows(q.float(), pr), _pad_rows(k.float(), ps), _pad_rows(v.float(), ps)
-    # [B, mG, nq, nk, Qt, Kt], laid out as the scores
-    mf = (F.pad(mask, (0, ps, 0, pr)) if pr or ps else mask).reshape(b, mg, nq, Q_TILE, nk, K_TILE)
-    mf = mf.transpose(3, 4).contiguous()
-    q_tiles = qf.reshape(b, g, nq, 1, Q_TILE, d).expand(b, g, nq, nk, Q_TILE, d).reshape(-1, Q_TILE, d)
-    k_tiles = kf.reshape(b, g, 1, nk, K_TILE, d).expand(b, g, nq, nk, K_TILE, d).reshape(-1, K_TILE, d)
-    v_tiles = vf.reshape(b, g, 1, nk, K_TILE, dv).expand(b, g, nq, nk, K_TILE, dv).reshape(-1, K_TILE, dv)
-    scores = (torch.bmm(q_tiles, k_tiles.transpose(1, 2)) * scale).view(b, g, nq, nk, Q_TILE, K_TILE)
-    scores = scores.masked_fill(~mf, float("-inf"))
-    m = scores.amax(dim=(3, 5), keepdim=True)                                   # [B, G, nq, 1, Qt, 1]
+    # heads first: [G, B, nq, nk, Qt, Kt], each head's tiles one bmm
+    scores = torch.stack([torch.bmm(qf[:, h].reshape(b, nq, 1, Q_TILE, d).expand(b, nq, nk, Q_TILE, d)
+                                    .reshape(-1, Q_TILE, d), _tiles(kf[:, h], nq, nk).transpose(1, 2))
+                          for h in range(g)])
+    scores = (scores * scale).view(g, b, nq, nk, Q_TILE, K_TILE)
+    scores = scores.masked_fill(~_score_mask(mask, nq, nk, pr, ps).transpose(0, 1), float("-inf"))
+    m = scores.amax(dim=(3, 5), keepdim=True)                                   # [G, B, nq, 1, Qt, 1]
     # NOTE: a row that sees no key has m = -inf; shift by 0 there (its weights are all 0)
-    shift = torch.where(torch.isinf(m), torch.zeros_like(m), m)
-    p = torch.exp(scores - shift)                                               # [B, G, nq, nk, Qt, Kt]
-    l = tree_sum(p.sum(-1, keepdim=True), 3)                                    # [B, G, nq, 1, Qt, 1]
-    acc = tree_sum(torch.bmm(p.reshape(-1, Q_TILE, K_TILE), v_tiles).view(b, g, nq, nk, Q_TILE, dv), 3)
-    out = acc / torch.where(l == 0, torch.ones_like(l), l)                      # [B, G, nq, 1, Qt, Dv]
-    return out.view(b, g, nq * Q_TILE, dv)[:, :, :r].to(q.dtype)
+    p = torch.exp(scores - torch.where(torch.isinf(m), torch.zeros_like(m), m))  # [G, B, nq, nk, Qt, Kt]
+    l = tree_sum(p.sum(-1, keepdim=True), 3)                                    # [G, B, nq, 1, Qt, 1]
+    pv = torch.stack([torch.bmm(p[h].view(-1, Q_TILE, K_TILE), _tiles(vf[:, h], nq, nk)) for h in range(g)])
+    acc = tree_sum(pv.view(g, b, nq, nk, Q_TILE, dv), 3)
+    out = acc / torch.where(l == 0, torch.ones_like(l), l)                      # [G, B, nq, 1, Qt, Dv]
+    return out.view(g, b, nq * Q_TILE, dv)[:, :, :r].transpose(0, 1).to(q.dtype)
+
+
+def _tiles(x: torch.Tensor, nq: int, nk: int) -> torch.Tensor:
+    """One head's keys or values x [B, S, w] (S = nk * K_TILE) -> [B * nq * nk, K_TILE, w], key
+    tile j of request b repeated for each of its nq query tiles. With one query tile and rows of
+    a request evenly strided (contiguous x, or a gathered cache's [B, S, 2, kvH, D] slice) this is
+    a view: the bmm reads the cache's rows where they lie (the same bits as from a copy)."""
+    bx, _, w = x.shape
+    if nq == 1:
+        return x.reshape(bx * nk, K_TILE, w)
+    return x.reshape(bx, 1, nk, K_TILE, w).expand(bx, nq, nk, K_TILE, w).reshape(-1, K_TILE, w)
+
+
+def _score_mask(mask: torch.Tensor, nq: int, nk: int, pr: int, ps: int) -> torch.Tensor:
+    """mask [B, mG, R or 1, S] -> a view (no copy of the cells) [B, mG, nq or 1, nk, Qt or 1, Kt]
+    that broadcasts against the scores; padded keys masked, padded rows as any (their output is
+    dropped, and every row is computed on its own)."""
+    bm, mg, rm, _ = mask.shape
+    mask = F.pad(mask, (0, ps, 0, pr if rm > 1 else 0)) if ps or (pr and rm > 1) else mask
+    if rm == 1:
+        return mask.reshape(bm, mg, 1, 1, nk, K_TILE).transpose(3, 4)
+    return mask.reshape(bm, mg, nq, Q_TILE, nk, K_TILE).transpose(3, 4)
 
 
 def _pad_rows(x: torch.Tensor, pad: int) -> torch.Tensor:

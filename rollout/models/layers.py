@@ -213,7 +213,9 @@ class PagedAttention(nn.Module):
         if q_pad_index is not None:
             q = q.new_zeros(bsz * extend, h, d).index_copy_(0, q_pad_index, q)
         rows = q.view(bsz, extend, kvh, grp, d).transpose(1, 2).reshape(bsz, kvh, extend * grp, d)
-        row_mask = mask[:, :, :, None].expand(bsz, 1, extend, grp, seq).reshape(bsz, 1, extend * grp, seq)
+        # decode: every row of a kv head is the same token, one mask row serves them all
+        row_mask = mask if extend == 1 else \
+            mask[:, :, :, None].expand(bsz, 1, extend, grp, seq).reshape(bsz, 1, extend * grp, seq)
         out = exact_ops.attention(rows, keys, values, row_mask, self.scale)    # [B, kvH, E*G, D]
         out = out.view(bsz, kvh, extend, grp, d).transpose(1, 2).reshape(bsz * extend, h * d)
         return out if q_pad_index is None else out.index_select(0, q_pad_index)
