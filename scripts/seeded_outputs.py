@@ -8,7 +8,10 @@ machine's speed), capture on, float32 and the tiny-moe checkpoint of the checkou
 - "python_chunked": the same with chunked_prefill_size 64, max_running_requests 6 and a KV pool
   only 24 slots over the longest request's (chunked prefills, queueing and retractions);
 - "server": the first workload as one batched /generate on a real rollout-serve of the checkout
-  (the JSON answers, less their e2e_latency).
+  (the JSON answers, less their e2e_latency);
+- "archs": the first workload on a tiny random checkpoint of every architecture in ARCHS (built by
+  tests/tiny_models.py of this script's checkout, so both trees load the same weights), in the
+  default mode and with deterministic inference.
 Every float is written as its exact hex, every routing tensor as its shape and sha256.
 
   python scripts/seeded_outputs.py --out outputs.json [--workloads python server]
@@ -25,7 +28,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-WORKLOADS = ("python", "python_chunked", "server")
+WORKLOADS = ("python", "python_chunked", "server", "archs")
+ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "deepseek_v3", "glm4_moe")
 TIMING_KEYS = {"e2e_latency"}
 
 
@@ -70,6 +74,23 @@ def python_outputs(model_path: str, **engine_kw) -> list:
     return [{f: exact(getattr(o, f, None)) for f in fields} for o in outs]
 
 
+def arch_outputs(archs: tuple[str, ...] = ARCHS) -> dict:
+    """The "python" workload on a tiny checkpoint of each architecture, default and deterministic."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+    from tiny_models import make_tiny_checkpoint  # noqa: PLC0415  (this checkout's builder)
+
+    from rollout.config import DEFAULT_MODEL_PATH  # noqa: PLC0415
+
+    out = {}
+    with tempfile.TemporaryDirectory(prefix="seeded-archs-") as tmp:
+        for arch in archs:
+            path = str(make_tiny_checkpoint(arch, Path(tmp) / arch))
+            for deterministic in (False, True):
+                out[f"{arch}{':deterministic' if deterministic else ''}"] = python_outputs(
+                    path, tokenizer_path=DEFAULT_MODEL_PATH, enable_deterministic_inference=deterministic)
+    return out
+
+
 def server_outputs(model_path: str) -> list:
     import httpx
     from transformers import AutoConfig
@@ -100,6 +121,8 @@ def collect(model_path: str, workloads: list[str]) -> dict:
             longest = max(len(p) + sp["max_new_tokens"] for p, sp in zip(ids, params))
             out[name] = python_outputs(model_path, chunked_prefill_size=64, max_running_requests=6,
                                        max_total_tokens=longest + 24)
+        elif name == "archs":
+            out[name] = arch_outputs()
         else:
             out[name] = server_outputs(model_path)
     return out
