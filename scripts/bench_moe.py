@@ -24,7 +24,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from capture.capturer import RoutedExpertsBuffer  # noqa: E402
-from rollout.models.moe import FusedExperts, softmax_topk  # noqa: E402
+from rollout.models.moe.experts import FusedExperts
+from rollout.models.moe.routing import softmax_topk  # noqa: E402
 
 HBM_BYTES_PER_S = 4.8e12
 SHAPES = {"qwen3-30b-a3b": dict(hidden=2048, experts=128, top_k=8, inter=768),
@@ -63,8 +64,8 @@ def main() -> int:
     if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         print("no GPU: run with TRITON_INTERPRET=1 (and --tiny) for a smoke run of the interpreted kernels")
         return 2
-    from rollout.models.moe_triton import fused_moe  # noqa: PLC0415
-    from rollout.models.topk_triton import softmax_topk_triton  # noqa: PLC0415
+    from rollout.models.kernels.fused_moe import fused_moe  # noqa: PLC0415
+    from rollout.models.kernels.topk import softmax_topk_triton  # noqa: PLC0415
 
     name = "tiny" if args.tiny else "qwen3-30b-a3b"
     shape = SHAPES[name]

@@ -69,9 +69,9 @@ def exact_moe_kernels(report, sec: str, shape, device: str, dtype: torch.dtype, 
     row of the batch is the same bits as that row alone."""
     from bench_moe import timed  # noqa: PLC0415
 
-    from rollout.models.moe_triton import fused_moe  # noqa: PLC0415
-    from rollout.models.moe_triton_exact import fused_moe_exact  # noqa: PLC0415
-    from rollout.models.moe import softmax_topk  # noqa: PLC0415
+    from rollout.models.kernels.fused_moe import fused_moe  # noqa: PLC0415
+    from rollout.models.kernels.fused_moe_exact import fused_moe_exact  # noqa: PLC0415
+    from rollout.models.moe.routing import softmax_topk  # noqa: PLC0415
 
     dev = torch.device(device)
     gen = torch.Generator(device=dev).manual_seed(0)
@@ -101,8 +101,8 @@ def exact_decode_attention(report, sec: str, shape, device: str, dtype: torch.dt
     batch is the same bits as alone."""
     from bench_moe import timed  # noqa: PLC0415
 
-    from rollout.models.decode_attention_kernel import decode_attention  # noqa: PLC0415
-    from rollout.models.extend_attention_kernel import extend_attention  # noqa: PLC0415
+    from rollout.models.kernels.decode_attention import decode_attention  # noqa: PLC0415
+    from rollout.models.kernels.extend_attention import extend_attention  # noqa: PLC0415
 
     dev = torch.device(device)
     gen = torch.Generator(device=dev).manual_seed(0)

@@ -7,7 +7,7 @@ import torch
 
 from rollout.batch.forward_batch import ForwardBatch
 from rollout.batch.kv_pool import SINK_SLOT, KVPool
-from rollout.models.layers import PagedAttention
+from rollout.models.attention.paged import PagedAttention
 
 
 def slot_table(rows: Sequence[torch.Tensor]) -> torch.Tensor:

@@ -11,7 +11,7 @@ import torch
 
 from rollout import Rollout
 from rollout.config import EngineConfig
-from rollout.models.attention_backend import check_attention_backend
+from rollout.config.backends import check_attention_backend
 from rollout.server.args import ServerArgs
 from tiny_models import random_prompts as prompts
 

@@ -10,7 +10,7 @@ from attention_cases import attention_case, reference
 from rollout.config import DEFAULT_MODEL_PATH, EngineConfig
 from rollout.core.engine_core import EngineCore
 from rollout.exec.model_runner import DECODE, PREFILL, ModelRunner
-from rollout.models.attention_backend import make_attention_backend
+from rollout.models.attention.backend import make_attention_backend
 from test_runners import _run_core
 from tiny_models import random_prompts as prompts
 
@@ -23,9 +23,9 @@ SHAPES = [(4, 2, 32), (32, 4, 128)]                        # (heads, kv heads, h
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("heads,kv_heads,dim", SHAPES)
 def test_triton_kernels_compiled_match_torch(dtype, heads, kv_heads, dim):
-    from rollout.models.cascade_attention_kernel import cascade_decode_attention
-    from rollout.models.decode_attention_kernel import decode_attention
-    from rollout.models.extend_attention_kernel import extend_attention
+    from rollout.models.kernels.cascade_attention import cascade_decode_attention
+    from rollout.models.kernels.decode_attention import decode_attention
+    from rollout.models.kernels.extend_attention import extend_attention
     from rollout.batch.paged_kv_metadata import paged_kv_metadata
 
     kw = dict(heads=heads, kv_heads=kv_heads, dim=dim, dtype=dtype, device="cuda")
@@ -48,7 +48,7 @@ def test_triton_kernels_compiled_match_torch(dtype, heads, kv_heads, dim):
 
 def test_triton_decode_replays_in_a_cuda_graph():
     """Captured once over static buffers, replayed after the slot table and lengths changed."""
-    from rollout.models.decode_attention_kernel import decode_attention
+    from rollout.models.kernels.decode_attention import decode_attention
 
     layer, q, fb, _ = attention_case([30, 200, 90], [1] * 3, heads=32, kv_heads=4, dim=128,
                                      dtype=torch.bfloat16, device="cuda", seed=4)

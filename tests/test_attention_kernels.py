@@ -9,10 +9,10 @@ import torch
 pytest.importorskip("triton")
 
 from attention_cases import attention_case, reference  # noqa: E402
-from rollout.models.cascade_attention_kernel import cascade_decode_attention  # noqa: E402
-from rollout.models.decode_attention_kernel import decode_attention  # noqa: E402
-from rollout.models.extend_attention_kernel import extend_attention  # noqa: E402
-from rollout.models.merge_attention_kernel import merge_attention_states  # noqa: E402
+from rollout.models.kernels.cascade_attention import cascade_decode_attention  # noqa: E402
+from rollout.models.kernels.decode_attention import decode_attention  # noqa: E402
+from rollout.models.kernels.extend_attention import extend_attention  # noqa: E402
+from rollout.models.kernels.merge_attention import merge_attention_states  # noqa: E402
 from rollout.batch.paged_kv_metadata import paged_kv_metadata  # noqa: E402
 
 ATOL = 2e-5

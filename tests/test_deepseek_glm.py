@@ -15,7 +15,7 @@ from oracle import hf_greedy, hf_model
 from rollout.batch.forward_batch import ForwardBatch
 from rollout.batch.kv_pool import KVPool
 from rollout.models import load_model
-from rollout.models.sigmoid_moe import grouped_sigmoid_topk
+from rollout.models.moe.routing import grouped_sigmoid_topk
 from rollout.exec.runners.piecewise_backend import PiecewiseBackend
 from tiny_models import GROUPED_ARCHS, make_engine, random_prompts
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rollout.models.sigmoid_moe import grouped_sigmoid_topk
+from rollout.models.moe.routing import grouped_sigmoid_topk
 from tiny_models import GROUPED_ARCHS, make_tiny_checkpoint
 from trainer_bridge import RouterReplay
 

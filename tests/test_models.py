@@ -16,7 +16,7 @@ from rollout.batch.kv_pool import KVPool
 from rollout.models import (load_model, load_state_dict_from_tensors, model_class, model_info,
                             softmax_topk, supported_architectures)
 
-from rollout.models.ep_group import expert_range
+from rollout.models.moe.ep_group import expert_range
 from tiny_models import ARCHS  # the tiny_checkpoint fixture comes from conftest.py
 
 PROMPT_LENS = (7, 12, 4)

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from attention_cases import attention_case, reference
-from rollout.models.paged_reference_attention import paged_reference_attention
+from rollout.models.attention.paged_reference import paged_reference_attention
 from rollout.batch.paged_kv_metadata import paged_kv_metadata
 
 ATOL = 2e-5

@@ -20,7 +20,7 @@ from rollout.batch.kv_pool import SINK_SLOT, KVPool
 from rollout.exec.model_runner import DECODE, EAGER, PREFILL, ModelRunner, RankShape, RunnerPlan
 from rollout.batch.forward_batch import ForwardBatch
 from rollout.models import load_model
-from rollout.models.moe import FusedExperts
+from rollout.models.moe.experts import FusedExperts
 from rollout.exec.runners.piecewise_backend import PiecewiseBackend
 from rollout.core.radix_cache import RadixCache
 from rollout.core.request import Req, ReqStatus

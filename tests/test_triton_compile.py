@@ -28,8 +28,8 @@ def compile_all() -> list[str]:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from rollout.models.moe_triton import _w2_kernel, _w13_kernel
-    from rollout.models.topk_triton import _router_kernel
+    from rollout.models.kernels.fused_moe import _w2_kernel, _w13_kernel
+    from rollout.models.kernels.topk import _router_kernel
 
     target = GPUTarget("cuda", 90, 32)
     done = []

@@ -1,4 +1,4 @@
-"""The batch-invariant fused MoE kernel (rollout/models/moe_triton_exact.py): a (token, slot) row's
+"""The batch-invariant fused MoE kernel (rollout/models/kernels/fused_moe_exact.py): a (token, slot) row's
 result is the same bits alone, in any batch, at any position and next to any tile neighbours; the
 k slots are added in slot order; it agrees with rollout.exact.fused_experts within fp32 rounding;
 the deterministic engine runs it on the triton backend with a request's numbers batch-invariant.
@@ -12,8 +12,9 @@ import torch
 pytest.importorskip("triton")
 
 from rollout.exact import fused_experts, sum_slots  # noqa: E402
-from rollout.models.moe import SparseMoE, softmax_topk  # noqa: E402
-from rollout.models.moe_triton_exact import EXACT_BLOCK_M, fused_moe_exact  # noqa: E402
+from rollout.models.moe.block import SparseMoE
+from rollout.models.moe.routing import softmax_topk  # noqa: E402
+from rollout.models.kernels.fused_moe_exact import EXACT_BLOCK_M, fused_moe_exact  # noqa: E402
 
 # NOTE: not bitwise against the torch ops (another summation order in the GEMMs, h in fp32):
 # |diff| <= FP32_TOL * (1 + max |reference|)
@@ -206,7 +207,7 @@ def _paged(seed, lens, heads=4, kv_heads=2, dim=16, slots=600, device="cpu", dty
 
 def _attend(kv, table, queries, starts, exact=True, window=None):
     """Request b's queries at positions starts[b] .. (its cached prefix: keys before starts[b])."""
-    from rollout.models.extend_attention_kernel import extend_attention
+    from rollout.models.kernels.extend_attention import extend_attention
 
     ext = torch.tensor([q.shape[0] for q in queries], device=kv.device)
     seq = torch.tensor(starts, device=kv.device) + ext

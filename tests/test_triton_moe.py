@@ -1,4 +1,4 @@
-"""The fused MoE kernels (rollout/models/moe_triton.py) against FusedExperts' torch path.
+"""The fused MoE kernels (rollout/models/kernels/fused_moe.py) against FusedExperts' torch path.
 
 Without a GPU they run under Triton's interpreter (fp32: the interpreter does bf16 arithmetic
 wrongly); the tests marked gpu compile them for real in fp32 and bf16 and replay them in a CUDA graph.
@@ -8,10 +8,11 @@ import torch
 
 pytest.importorskip("triton")
 
-from rollout.models.ep_group import expert_range  # noqa: E402
-from rollout.models.moe import FusedExperts, softmax_topk  # noqa: E402
-from rollout.models.moe_align import ExpertBlocks  # noqa: E402
-from rollout.models.moe_triton import fused_moe  # noqa: E402
+from rollout.models.moe.ep_group import expert_range  # noqa: E402
+from rollout.models.moe.experts import FusedExperts
+from rollout.models.moe.routing import softmax_topk  # noqa: E402
+from rollout.models.kernels.moe_align import ExpertBlocks  # noqa: E402
+from rollout.models.kernels.fused_moe import fused_moe  # noqa: E402
 
 # NOTE: fp32 tolerance: products accumulate in another order than torch's matmuls (a few ulps of
 # each partial sum): |diff| <= FP32_TOL * (1 + max |reference|).

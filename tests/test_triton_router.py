@@ -1,4 +1,4 @@
-"""The Triton router kernel (rollout/models/topk_triton.py) against the torch rules.
+"""The Triton router kernel (rollout/models/kernels/topk.py) against the torch rules.
 
 Without a GPU the kernel runs under Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET=1):
 ids bitwise equal to softmax_topk including exact ties, the ids stored in the capture buffer by the
@@ -11,8 +11,8 @@ import torch
 pytest.importorskip("triton")
 
 from capture.capturer import RoutedExpertsBuffer  # noqa: E402
-from rollout.models.moe import softmax_topk  # noqa: E402
-from rollout.models.topk_triton import grouped_sigmoid_topk_triton, softmax_topk_triton  # noqa: E402
+from rollout.models.moe.routing import softmax_topk  # noqa: E402
+from rollout.models.kernels.topk import grouped_sigmoid_topk_triton, softmax_topk_triton  # noqa: E402
 
 # NOTE: fp32 weights: the kernel's exp and sum differ from torch's by a few ulps at most.
 WEIGHT_ATOL = 2e-6

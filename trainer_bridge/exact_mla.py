@@ -1,7 +1,7 @@
 """Exact mode's DeepSeek-V3 attention: MLA computed as the engine's deterministic mode computes it.
 
 transformers' DeepseekV3Attention expands the latent KV into per-head keys and values
-(kv_b_proj over the latent) and attends per head; the engine (rollout/models/mla_attention.py,
+(kv_b_proj over the latent) and attends per head; the engine (rollout/models/attention/mla.py,
 latent_attention.py) absorbs W_UK into the queries and W_UV into the output and attends in the
 latent space over one shared KV row [normed latent | rotated rope key] per token. The two agree
 only up to rounding, so ExactMLAAttention's forward is the engine's order, op for op, on the
@@ -32,7 +32,7 @@ __all__ = ["ExactMLAAttention", "rotate_rope"]
 
 
 def rotate_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool) -> torch.Tensor:
-    """x [N, heads, P], cos/sin [N, 1, P] -> rotated x, as rollout.models.mla_attention._rotate."""
+    """x [N, heads, P], cos/sin [N, 1, P] -> rotated x, as rollout.models.attention.mla._rotate."""
     if interleave:
         x = torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)
     half = x.shape[-1] // 2

@@ -76,7 +76,7 @@ class _ExactRotary(nn.Module):
 
 
 class _ExactRouter(nn.Module):
-    """rollout.models.moe.softmax_topk over rollout.exact.linear logits; transformers' output."""
+    """rollout.models.moe.routing.softmax_topk over rollout.exact.linear logits; transformers' output."""
 
     def forward(self, hidden_states: torch.Tensor):
         logits = exact_ops.linear(hidden_states.reshape(-1, self.hidden_dim), self.weight)   # [N, E]

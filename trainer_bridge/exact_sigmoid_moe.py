@@ -2,7 +2,7 @@
 
 ExactGroupedRouter (for transformers' DeepseekV3TopkRouter / Glm4MoeTopkRouter) computes the
 router logits with rollout.exact.linear over fp32 inputs (the engine's BiasedRouter) and the
-expert choice with the engine's own rule, rollout.models.sigmoid_moe.grouped_sigmoid_topk in its
+expert choice with the engine's own rule, rollout.models.moe.routing.grouped_sigmoid_topk in its
 exact form (rollout.exact.sigmoid; correction bias for the choice, group limit, stable sort:
 lower id wins ties), returning transformers' (logits, weights, ids).
 
@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from rollout import exact as exact_ops
-from rollout.models.sigmoid_moe import grouped_sigmoid_topk
+from rollout.models.moe.routing import grouped_sigmoid_topk
 
 __all__ = ["ExactGroupedMoE", "ExactGroupedRouter", "sigmoid_gate_weights"]
 

@@ -11,13 +11,12 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from rollout.config.backends import ATTENTION_BACKENDS, MOE_BACKENDS, check_attention_backend, default_attention_backend
 from rollout.config.flag import flag
 
 _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEFAULT_MODEL_PATH = os.path.join(_REPO, "configs", "tiny-moe")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-MOE_BACKENDS = ("torch", "triton")
-ATTENTION_BACKENDS = ("torch", "triton", "flashinfer")   # see rollout/models/attention_backend.py
 
 
 MAX_BUCKET_BYTES = 2**40
@@ -185,8 +184,6 @@ class EngineConfig:
         """Raises ValueError when this machine lacks the GPUs the config asks for (DP rank r runs
         on cuda:r), or the kernels the backends ask for. Checked when an engine starts, not when a
         config is made (configs travel)."""
-        from rollout.models.attention_backend import check_attention_backend  # noqa: PLC0415
-
         check_attention_backend(self.resolved_attention_backend, self.device)
         if self.cpu_affinity:
             if not hasattr(os, "sched_setaffinity"):
@@ -247,8 +244,6 @@ class EngineConfig:
             return self.attention_backend
         if self.enable_deterministic_inference:
             return "torch"
-        from rollout.models.attention_backend import default_attention_backend  # noqa: PLC0415
-
         return default_attention_backend(self.device)
 
     @property

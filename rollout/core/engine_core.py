@@ -31,8 +31,9 @@ from rollout.exec.runners.capture_profiler import GraphCaptureProfiler
 from rollout.generate_io import FinishReason
 from rollout.host_malloc import tune_glibc_malloc
 from rollout.ipc.messages import ReqUpdate
-from rollout.models.attention_backend import make_attention_backend
-from rollout.models.moe import FusedExperts, set_moe_backend
+from rollout.models.attention.backend import make_attention_backend
+from rollout.models.moe.block import set_moe_backend
+from rollout.models.moe.experts import FusedExperts
 from rollout.models.registry import load_model
 from rollout.tokenizer import Tokenizer
 

@@ -184,7 +184,7 @@ class EngineLoop:
 def _join_dp_group(cfg: EngineConfig, rank: int, store_port: int) -> tuple[EngineConfig, Any]:
     import torch.distributed as dist  # noqa: PLC0415
 
-    from rollout.models.ep_group import EPGroup  # noqa: PLC0415
+    from rollout.models.moe.ep_group import EPGroup  # noqa: PLC0415
 
     # NOTE: the ranks are processes of one host and talk over loopback; gloo (the CPU engines' group
     # and every engine's host-value group) would otherwise bind the address the hostname resolves

@@ -8,60 +8,14 @@ from torch import nn
 
 from rollout import exact as exact_ops
 from rollout.batch.forward_batch import ForwardBatch
-from rollout.models.layers import GatedMLP, PagedAttention, RMSNorm, RotaryEmbedding
-from rollout.models.mla_attention import MLASelfAttention
-from rollout.models.moe import FusedExperts, SparseMoE
+from rollout.models.attention.mla import MLASelfAttention
+from rollout.models.attention.paged import PagedAttention
+from rollout.models.attention.self_attention import SelfAttention
+from rollout.models.layers import GatedMLP, RMSNorm, RotaryEmbedding
+from rollout.models.moe.block import SparseMoE
+from rollout.models.moe.experts import FusedExperts
 from rollout.models.registry import ModelInfo
-from rollout.models.sigmoid_moe import GroupedSigmoidMoE
 from rollout.models.spec import ModelSpec
-
-
-class SelfAttention(nn.Module):
-    def __init__(self, spec: ModelSpec, layer_id: int):
-        super().__init__()
-        h, kvh, d = spec.num_attention_heads, spec.num_kv_heads, spec.head_dim
-        self.num_heads, self.num_kv_heads, self.head_dim = h, kvh, d
-        self.q_proj = nn.Linear(spec.hidden_size, h * d, bias=spec.qkv_bias)
-        self.k_proj = nn.Linear(spec.hidden_size, kvh * d, bias=spec.qkv_bias)
-        self.v_proj = nn.Linear(spec.hidden_size, kvh * d, bias=spec.qkv_bias)
-        self.o_proj = nn.Linear(h * d, spec.hidden_size, bias=spec.o_bias)
-        self.qk_norm = spec.qk_norm
-        if spec.qk_norm == "head":
-            self.q_norm = RMSNorm(d, spec.rms_norm_eps)
-            self.k_norm = RMSNorm(d, spec.rms_norm_eps)
-        elif spec.qk_norm == "full":
-            self.q_norm = RMSNorm(h * d, spec.rms_norm_eps)
-            self.k_norm = RMSNorm(kvh * d, spec.rms_norm_eps)
-        self.clip_qkv = spec.clip_qkv
-        self.attn = PagedAttention(layer_id=layer_id, num_heads=h, num_kv_heads=kvh, head_dim=d,
-                                   sliding_window=spec.sliding_window(layer_id))
-
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fb: ForwardBatch,
-                attn_mask: torch.Tensor | None) -> torch.Tensor:
-        """x [N, hidden] -> [N, hidden]."""
-        return self.o_proj(self.attn.attend(self.project(x, cos, sin, fb), fb, attn_mask))
-
-    def output(self, attn: torch.Tensor) -> torch.Tensor:
-        """attn [N, H*D] (attention core output) -> [N, hidden]."""
-        return self.o_proj(attn)
-
-    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
-        """x [N, hidden] -> q [N, H, D] (normed, rotated); this forward's k/v go into the KV pool."""
-        n = x.shape[0]
-        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)          # [N, H*D], [N, kvH*D] x2
-        if self.qk_norm == "full":
-            q, k = self.q_norm(q), self.k_norm(k)
-        if self.clip_qkv is not None:
-            c = self.clip_qkv
-            q, k, v = q.clamp(-c, c), k.clamp(-c, c), v.clamp(-c, c)
-        q = q.view(n, self.num_heads, self.head_dim)
-        k = k.view(n, self.num_kv_heads, self.head_dim)
-        v = v.view(n, self.num_kv_heads, self.head_dim)
-        if self.qk_norm == "head":
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = RotaryEmbedding.apply(q, cos, sin), RotaryEmbedding.apply(k, cos, sin)
-        self.attn.write_kv(k, v, fb)
-        return q
 
 
 class DecoderLayer(nn.Module):
@@ -72,14 +26,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.is_moe = layer_id in spec.moe_layer_ids
-        if self.is_moe and spec.scoring == "sigmoid":
-            self.mlp = GroupedSigmoidMoE(spec, layer_id)
-        elif self.is_moe:
-            self.mlp = SparseMoE(layer_id=layer_id, hidden_size=spec.hidden_size,
-                                 intermediate_size=spec.moe_intermediate_size,
-                                 num_experts=spec.num_experts, top_k=spec.top_k,
-                                 renormalize=spec.renormalize,
-                                 shared_intermediate_size=spec.shared_expert_intermediate_size)
+        if self.is_moe:
+            self.mlp = SparseMoE(spec, layer_id)
         else:
             self.mlp = GatedMLP(spec.hidden_size, spec.intermediate_size)
 
@@ -137,7 +85,7 @@ class MoeCausalLM(nn.Module):
     def shard_experts(self, rank: int, size: int) -> None:
         """Expert parallel: keep only rank `rank` of `size`'s share of every MoE layer's experts.
         Call on the unloaded (meta) model; the loader then reads only those experts."""
-        from rollout.models.ep_group import expert_range
+        from rollout.models.moe.ep_group import expert_range
         for module in self.modules():
             if isinstance(module, FusedExperts):
                 module.shard(*expert_range(module.num_experts, rank, size))

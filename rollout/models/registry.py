@@ -10,12 +10,12 @@ import torch
 
 # architectures[0] -> "module:Class" (imported lazily: the model modules import ModelInfo from here)
 _ARCHITECTURES = {
-    "Qwen3MoeForCausalLM": "rollout.models.qwen3_moe:Qwen3MoeForCausalLM",
-    "Qwen2MoeForCausalLM": "rollout.models.qwen2_moe:Qwen2MoeForCausalLM",
-    "MixtralForCausalLM": "rollout.models.mixtral:MixtralForCausalLM",
-    "OlmoeForCausalLM": "rollout.models.olmoe:OlmoeForCausalLM",
-    "DeepseekV3ForCausalLM": "rollout.models.deepseek_v3:DeepseekV3ForCausalLM",
-    "Glm4MoeForCausalLM": "rollout.models.glm4_moe:Glm4MoeForCausalLM",
+    "Qwen3MoeForCausalLM": "rollout.models.arch.qwen3_moe:Qwen3MoeForCausalLM",
+    "Qwen2MoeForCausalLM": "rollout.models.arch.qwen2_moe:Qwen2MoeForCausalLM",
+    "MixtralForCausalLM": "rollout.models.arch.mixtral:MixtralForCausalLM",
+    "OlmoeForCausalLM": "rollout.models.arch.olmoe:OlmoeForCausalLM",
+    "DeepseekV3ForCausalLM": "rollout.models.arch.deepseek_v3:DeepseekV3ForCausalLM",
+    "Glm4MoeForCausalLM": "rollout.models.arch.glm4_moe:Glm4MoeForCausalLM",
 }
 
 

@@ -8,7 +8,7 @@ from rollout.models.registry import ModelInfo
 from rollout.models.rope_scaling import YarnScaling
 
 QK_NORM_MODES = ("none", "head", "full")
-SCORING = ("softmax", "sigmoid")
+SCORING = ("softmax", "sigmoid", "topk_softmax")   # rollout/models/moe/routing.py
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -62,6 +62,13 @@ class ModelSpec:
     topk_group: int = 1
     routed_scaling_factor: float = 1.0
     shared_experts_intermediate_size: int = 0
+    # gpt-oss: a biased router (top-k of the logits, then softmax), experts with biases and the
+    # clamped SwiGLU, learned attention sinks
+    router_bias: bool = False
+    expert_bias: bool = False
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.702
+    attention_sinks: bool = False
     partial_rotary_factor: float = 1.0
     rope_scaling: Optional[YarnScaling] = None
     mla: Optional[MLASpec] = None

@@ -15,7 +15,7 @@ from torch import nn
 
 from rollout import exact as exact_ops
 from rollout.batch.forward_batch import ForwardBatch
-from rollout.models.latent_attention import LatentAttention
+from rollout.models.attention.latent import LatentAttention
 from rollout.models.layers import RMSNorm, RotaryEmbedding
 from rollout.models.spec import ModelSpec
 

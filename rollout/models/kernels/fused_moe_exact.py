@@ -1,6 +1,6 @@
 """Batch-invariant fused MoE (Triton): the experts of deterministic inference on the triton backend.
 
-The same two grouped GEMMs as rollout/models/moe_triton.py, made batch-invariant by construction:
+The same two grouped GEMMs as rollout/models/kernels/fused_moe.py, made batch-invariant by construction:
 - fixed tiles: BLOCK_M = EXACT_BLOCK_M rows per program whatever the batch, BLOCK_N / BLOCK_K fixed by
   the layer's shapes only, no split-K: each output element is one fp32 dot product over the whole
   reduction, folded BLOCK_K at a time from element 0, in one compiled kernel for every batch;
@@ -20,8 +20,8 @@ import triton
 import triton.language as tl
 
 from rollout.exact import sum_slots
-from rollout.models.moe_align import ExpertBlocks
-from rollout.models.moe_triton import _tile, _w13_kernel, _w2_block
+from rollout.models.kernels.moe_align import ExpertBlocks
+from rollout.models.kernels.fused_moe import _tile, _w13_kernel, _w2_block
 
 EXACT_BLOCK_M = 16   # (token, slot) rows per program, whatever the batch
 

@@ -6,7 +6,7 @@
    an fp32 [N, H] buffer), cast to x's dtype at the end.
 Only the experts this module holds take part (expert parallel: other ranks add theirs). Products
 accumulate in fp32 (fp32 inputs: IEEE fp32 dots, no TF32). No host sync: runs inside CUDA graphs.
-FusedExperts (rollout/models/moe.py) stays the reference; this is its "triton" impl.
+FusedExperts (rollout/models/moe/) stays the reference; this is its "triton" impl.
 
 Triton is imported by this module: import it only where the triton backend is chosen.
 """
@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from rollout.models.moe_align import ExpertBlocks
+from rollout.models.kernels.moe_align import ExpertBlocks
 
 
 @triton.jit

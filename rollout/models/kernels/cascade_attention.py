@@ -14,9 +14,9 @@ import torch
 import triton
 import triton.language as tl
 
-from rollout.models.attention_block import attend_block, finish_rows
-from rollout.models.decode_attention_kernel import decode_partials, default_num_splits
-from rollout.models.merge_attention_kernel import merge_attention_states
+from rollout.models.kernels.attention_block import attend_block, finish_rows
+from rollout.models.kernels.decode_attention import decode_partials, default_num_splits
+from rollout.models.kernels.merge_attention import merge_attention_states
 from rollout.batch.paged_kv_metadata import PagedKVMetadata
 
 

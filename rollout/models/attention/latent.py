@@ -13,7 +13,7 @@ from torch import nn
 
 from rollout import exact as exact_ops
 from rollout.batch.forward_batch import ForwardBatch
-from rollout.models.layers import pad_keys_to_tiles
+from rollout.models.attention.paged import pad_keys_to_tiles
 
 
 class LatentAttention(nn.Module):

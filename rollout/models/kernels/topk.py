@@ -1,6 +1,6 @@
 """Router kernel (Triton): router logits -> (top-k weights, top-k expert ids), one launch per layer.
 
-The same rules as softmax_topk (rollout/models/moe.py) and grouped_sigmoid_topk (sigmoid_moe.py), which
+The same rules as softmax_topk (rollout/models/moe/) and grouped_sigmoid_topk (moe/routing.py), which
 stay the reference:
 - softmax_topk_triton: fp32 softmax -> top-k -> optional renormalisation (Qwen2/3-MoE, Mixtral, OLMoE);
 - grouped_sigmoid_topk_triton: DeepSeek-V3's rule, a variant of the same kernel: sigmoid scores, the

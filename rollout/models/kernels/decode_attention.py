@@ -14,8 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
-from rollout.models.attention_block import attend_block, finish_rows
-from rollout.models.merge_attention_kernel import merge_attention_states
+from rollout.models.kernels.attention_block import attend_block, finish_rows
+from rollout.models.kernels.merge_attention import merge_attention_states
 
 NO_WINDOW = 1 << 30
 MIN_SPLIT = 64   # GPU: fewest keys per split (a split that short is all launch and merge)

@@ -10,47 +10,14 @@ but the backend itself (Triton) or plan into the wrapper's own fixed buffers (Fl
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
-import os
 from collections import Counter
 from typing import Any, Optional
 
 import torch
 
-from rollout.config import ATTENTION_BACKENDS
+from rollout.config.backends import check_attention_backend
 from rollout.batch.forward_batch import ForwardBatch
 from rollout.batch.paged_kv_metadata import paged_kv_metadata
-
-
-def flashinfer_importable() -> bool:
-    return importlib.util.find_spec("flashinfer") is not None
-
-
-def default_attention_backend(device: str) -> str:
-    """CUDA: flashinfer when it is installed, else triton; CPU: torch."""
-    if device.startswith("cuda"):
-        return "flashinfer" if flashinfer_importable() else "triton"
-    return "torch"
-
-
-def check_attention_backend(name: str, device: str) -> None:
-    """ValueError (naming attention_backend) when this machine cannot run `name` on `device`."""
-    if name not in ATTENTION_BACKENDS:
-        raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {name!r}")
-    cuda = device.startswith("cuda")
-    if name == "flashinfer":
-        if not cuda:
-            raise ValueError(f"attention_backend='flashinfer' needs a CUDA device, got device={device!r}; "
-                             f"allowed on CPU: 'torch', or 'triton' under TRITON_INTERPRET=1")
-        if not flashinfer_importable():
-            raise ValueError("attention_backend='flashinfer' but flashinfer is not installed "
-                             "(pip install flashinfer-python, or choose 'triton' or 'torch')")
-    if name == "triton":
-        if importlib.util.find_spec("triton") is None:
-            raise ValueError("attention_backend='triton' but triton is not installed (choose 'torch')")
-        if not cuda and os.environ.get("TRITON_INTERPRET") != "1":
-            raise ValueError(f"attention_backend='triton' on device={device!r} runs only under the Triton "
-                             f"interpreter (set TRITON_INTERPRET=1 before starting); allowed on CPU: 'torch'")
 
 
 class TritonAttentionBackend:
@@ -81,9 +48,9 @@ class TritonAttentionBackend:
     def attend(self, attn: Any, q: torch.Tensor, fb: ForwardBatch, attn_mask: Optional[torch.Tensor]) -> torch.Tensor:
         """attn: the layer's PagedAttention (its sliding_window is the kernels' window); attn_mask is
         None (attention_masks makes none for a backend that reads none)."""
-        from rollout.models.cascade_attention_kernel import cascade_decode_attention  # noqa: PLC0415
-        from rollout.models.decode_attention_kernel import decode_attention  # noqa: PLC0415
-        from rollout.models.extend_attention_kernel import extend_attention  # noqa: PLC0415
+        from rollout.models.kernels.cascade_attention import cascade_decode_attention  # noqa: PLC0415
+        from rollout.models.kernels.decode_attention import decode_attention  # noqa: PLC0415
+        from rollout.models.kernels.extend_attention import extend_attention  # noqa: PLC0415
 
         kv = fb.kv_pool.kv_buffers[attn.layer_id]
         window = attn.sliding_window
@@ -118,7 +85,7 @@ def make_attention_backend(name: str, *, device: torch.device, model: torch.nn.M
         return TritonAttentionBackend(exact=exact)
     if exact:
         raise ValueError(f"enable_deterministic_inference: attention_backend must be 'torch' or 'triton', got {name!r}")
-    from rollout.models.flashinfer_backend import FlashInferAttentionBackend  # noqa: PLC0415
+    from rollout.models.attention.flashinfer import FlashInferAttentionBackend  # noqa: PLC0415
 
     spec = model.spec
     windows = {spec.sliding_window(i) for i in range(spec.num_hidden_layers)}

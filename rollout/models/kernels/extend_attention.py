@@ -13,8 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
-from rollout.models.attention_block import attend_block, finish_rows
-from rollout.models.decode_attention_kernel import NO_WINDOW
+from rollout.models.kernels.attention_block import attend_block, finish_rows
+from rollout.models.kernels.decode_attention import NO_WINDOW
 
 
 @triton.jit

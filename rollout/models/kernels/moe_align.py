@@ -1,6 +1,6 @@
 """ExpertBlocks: the (token, k) pairs of a batch sorted by expert, each expert's rows padded to a block.
 
-The grouped-GEMM kernels of rollout/models/moe_triton.py take one block of block_m rows per program,
+The grouped-GEMM kernels of rollout/models/kernels/fused_moe.py take one block of block_m rows per program,
 all of one expert. Made with device ops only (no host sync, so it runs inside CUDA graphs): the
 sizes are static upper bounds that depend only on the batch's shape.
 """

@@ -3,7 +3,7 @@ first layers and the DeepSeek-V3 routing family (sigmoid + correction bias, shar
 from __future__ import annotations
 
 from rollout.models.causal_lm import MoeCausalLM
-from rollout.models.deepseek_v3 import grouped_routing_fields
+from rollout.models.arch.deepseek_v3 import grouped_routing_fields
 from rollout.models.rope_scaling import rope_parameters
 from rollout.models.spec import ModelSpec, common_fields
 

@@ -1,0 +1,1 @@
+"""Attention: the paged core, its backends (torch, Triton, FlashInfer), GQA and MLA projections."""

@@ -1,0 +1,1 @@
+"""Triton kernels (imported only when a backend chooses them): paged attention, fused MoE, routers."""

@@ -1,0 +1,230 @@
+"""FusedExperts: the routed experts of one MoE layer, their weights stacked, over several
+implementations (torch on CPU and GPU, the Triton kernels, the batch-invariant forms).
+
+Every implementation computes, for each (token, expert) pair the router chose,
+    gate, up = (x @ w13[e].T + b13[e]).chunk(2)
+    y = (act(gate, up) @ w2[e].T + b2[e]) * routing weight
+and adds the k pairs of a token. act is SwiGLU (silu(gate) * up) or gpt-oss's clamped SwiGLU
+(swiglu_limit set): gate.clamp(max=limit) * sigmoid(alpha * gate.clamp(max=limit)) *
+(up.clamp(-limit, limit) + 1). The biases exist only when the architecture has them (gpt-oss).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from rollout import exact as exact_ops
+
+
+class FusedExperts(nn.Module):
+    """The experts' weights stacked: w13 [E_local, 2I, H] (gate rows then up rows), w2 [E_local, H, I],
+    with bias: b13 [E_local, 2I] (gate then up) and b2 [E_local, H].
+
+    Unsharded, E_local = num_experts. Under expert parallelism (DP attention) a rank holds only the
+    experts [expert_lo, expert_hi) of num_experts; routing ids stay global everywhere.
+    """
+
+    exact = False   # impl "exact" (rollout.exact.fused_experts) unless one is forced
+
+    def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, *, bias: bool = False,
+                 swiglu_limit: float | None = None, swiglu_alpha: float = 1.702):
+        super().__init__()
+        self.num_experts = num_experts
+        self.expert_lo, self.expert_hi = 0, num_experts
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        self.b13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size)) if bias else None
+        self.b2 = nn.Parameter(torch.empty(num_experts, hidden_size)) if bias else None
+        self.swiglu_limit = swiglu_limit
+        self.swiglu_alpha = swiglu_alpha
+
+    def _act(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """The torch implementations' activation: SwiGLU, or the clamped form (swiglu_limit)."""
+        if self.swiglu_limit is None:
+            return F.silu(gate) * up
+        limit = self.swiglu_limit
+        gate = gate.clamp(max=limit)
+        return gate * torch.sigmoid(gate * self.swiglu_alpha) * (up.clamp(-limit, limit) + 1)
+
+    def _held(self, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """w13, w2, b13, b2 of the global experts [lo, hi) (views)."""
+        first, num = lo - self.expert_lo, hi - lo
+        narrow = (lambda t: None if t is None else t[first:first + num])
+        return narrow(self.w13), narrow(self.w2), narrow(self.b13), narrow(self.b2)
+
+    def _bias_kw(self, b13: torch.Tensor | None, b2: torch.Tensor | None) -> dict:
+        """The bias / activation arguments of the kernels and rollout.exact.fused_experts (none for
+        SwiGLU without biases, so those calls stay as they always were)."""
+        if b13 is None and self.swiglu_limit is None:
+            return {}
+        return {"b13": b13, "b2": b2, "swiglu_limit": self.swiglu_limit, "swiglu_alpha": self.swiglu_alpha}
+
+    def shard(self, lo: int, hi: int) -> None:
+        """Keep only experts [lo, hi) (call before the weights are loaded: the values are dropped)."""
+        if not 0 <= lo <= hi <= self.num_experts:
+            raise ValueError(f"expert shard [{lo}, {hi}) is outside [0, {self.num_experts})")
+        for name in ("w13", "w2", "b13", "b2"):
+            old = getattr(self, name)
+            if old is not None:
+                setattr(self, name, nn.Parameter(old.new_empty(hi - lo, *old.shape[1:]), requires_grad=old.requires_grad))
+        self.expert_lo, self.expert_hi = lo, hi
+
+    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                experts: tuple[int, int] | None = None, graph_safe: bool = False,
+                impl: str | None = None) -> torch.Tensor:
+        """x [N, H], topk_weights float32 [N, K], topk_ids int64 [N, K] (global ids) -> [N, H] in x.dtype.
+
+        Only the experts this module holds contribute (expert parallel: the other ranks add theirs).
+        experts: [lo, hi) to narrow that further (default: all held). graph_safe: no host syncs
+        (CUDA graph capture). impl: force "padded", "grouped", "loop", "dense", "triton" (the fused
+        kernels of moe_triton.py; no host sync) or "exact_triton" (their batch-invariant form,
+        moe_triton_exact.py) (default: "exact" when exact, else choose_impl).
+        """
+        lo, hi = experts if experts is not None else (self.expert_lo, self.expert_hi)
+        if not self.expert_lo <= lo <= hi <= self.expert_hi:
+            raise ValueError(f"experts [{lo}, {hi}) are not all held here ([{self.expert_lo}, {self.expert_hi}))")
+        if lo == hi:
+            return torch.zeros_like(x)
+        impl = impl or ("exact" if self.exact else self.choose_impl(x, graph_safe, topk_ids.numel()))
+        run = {"exact": self._forward_exact, "exact_triton": self._forward_exact_triton, "padded": self._forward_padded, "grouped": self._forward_grouped, "loop": self._forward_loop,
+               "dense": self._forward_dense, "triton": self._forward_triton}[impl]
+        return run(x, topk_weights, topk_ids, lo, hi)
+
+    # NOTE: on CPU torch's grouped GEMM runs one matmul per expert; up to this many (token, expert)
+    # rows one batched matmul over experts padded to the busiest is faster (tiny Qwen3-MoE, 16
+    # experts, 2 cores: 1.5x faster at 128 tokens x top-4, 1.4x at 256 x 4, 1.9x slower at 384 x 4).
+    PADDED_MAX_ROWS = 1024
+
+    @staticmethod
+    def choose_impl(x: torch.Tensor, graph_safe: bool, rows: int = 0) -> str:
+        """rows: (token, expert) pairs routed. "padded" (batched matmul over experts padded to the
+        busiest; reads the counts on the host) for few rows on CPU; "grouped" (torch's grouped
+        GEMM: two kernels for all experts, no host sync) where torch has it for x's device and
+        dtype (CPU; CUDA bf16 on SM80+); else the per-expert "loop" (reads the expert counts on
+        the host), or "dense" (every held expert over every row; no host sync) when graph_safe."""
+        if x.device.type == "cpu" and not graph_safe and rows <= FusedExperts.PADDED_MAX_ROWS:
+            return "padded"
+        if hasattr(F, "grouped_mm") and (x.device.type == "cpu" or (
+                x.device.type == "cuda" and x.dtype == torch.bfloat16
+                and torch.cuda.get_device_capability(x.device) >= (8, 0))):
+            return "grouped"
+        return "dense" if graph_safe else "loop"
+
+    def _forward_grouped(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                         lo: int, hi: int) -> torch.Tensor:
+        k = topk_ids.shape[1]
+        flat_ids = topk_ids.reshape(-1)                                    # [N*K]
+        held = (flat_ids >= lo) & (flat_ids < hi)
+        group = torch.where(held, flat_ids - lo, hi - lo)                  # experts not in range: last
+        order = torch.argsort(group, stable=True)                          # [N*K] grouped by expert
+        # NOTE: group ends by searchsorted, not bincount (CUDA bincount reads the max on the host)
+        ends = torch.searchsorted(group[order], torch.arange(hi - lo, device=group.device), right=True,
+                                  out_int32=True)                          # [E_range] int32
+        token_of = order // k                                              # [N*K] token row
+        w13, w2, b13, b2 = self._held(lo, hi)
+        # NOTE: rows past ends[-1] (other experts) are left undefined by grouped_mm: masked below
+        h = F.grouped_mm(x.index_select(0, token_of), w13.transpose(1, 2), offs=ends)   # [N*K, 2I]
+        if b13 is not None:
+            h = h + b13.index_select(0, group[order].clamp(max=hi - lo - 1))
+        gate, up = h.chunk(2, dim=-1)                                      # [N*K, I] each
+        y = F.grouped_mm(self._act(gate, up), w2.transpose(1, 2), offs=ends)
+        if b2 is not None:
+            y = y + b2.index_select(0, group[order].clamp(max=hi - lo - 1))
+        y = y * topk_weights.reshape(-1)[order, None].to(y.dtype)          # [N*K, H], as in _forward_loop
+        y = torch.where(held[order, None], y, 0)
+        return torch.zeros_like(x).index_add_(0, token_of, y)
+
+    def _forward_padded(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                        lo: int, hi: int) -> torch.Tensor:
+        k = topk_ids.shape[1]
+        num = hi - lo
+        flat_ids = topk_ids.reshape(-1)                                    # [N*K]
+        held = (flat_ids >= lo) & (flat_ids < hi)
+        group = torch.where(held, flat_ids - lo, num)                      # experts not in range: last
+        order = torch.argsort(group, stable=True)                          # [N*K] grouped by expert
+        counts = torch.bincount(group, minlength=num + 1)
+        counts_host = counts.tolist()
+        cap, rows = max(counts_host[:num]), sum(counts_host[:num])
+        if rows == 0:
+            return torch.zeros_like(x)
+        order = order[:rows]                                               # held rows only
+        sorted_group = group.index_select(0, order)
+        starts = torch.cumsum(counts, 0) - counts
+        slot = sorted_group * cap + (torch.arange(rows, device=x.device) - starts.index_select(0, sorted_group))
+        token_of = order // k                                              # [rows] token row
+        w13, w2, b13, b2 = self._held(lo, hi)
+        padded = x.new_zeros(num * cap, x.shape[1]).index_copy_(0, slot, x.index_select(0, token_of))
+        h = torch.bmm(padded.view(num, cap, -1), w13.transpose(1, 2))      # [E, cap, 2I]
+        if b13 is not None:
+            h = h + b13[:, None]
+        gate, up = h.chunk(2, dim=-1)                                      # [E, cap, I] each
+        y = torch.bmm(self._act(gate, up), w2.transpose(1, 2))             # [E, cap, H]
+        if b2 is not None:
+            y = y + b2[:, None]
+        y = y.view(num * cap, -1).index_select(0, slot)
+        y = y * topk_weights.reshape(-1).index_select(0, order)[:, None].to(y.dtype)      # as in _forward_loop
+        return torch.zeros_like(x).index_add_(0, token_of, y)
+
+    def _forward_loop(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                      lo: int, hi: int) -> torch.Tensor:
+        n, k = topk_ids.shape
+        out = torch.zeros_like(x)
+        flat_ids = topk_ids.reshape(-1)                                    # [N*K]
+        order = torch.argsort(flat_ids, stable=True)                       # [N*K]
+        counts = torch.bincount(flat_ids, minlength=self.num_experts).tolist()
+        token_of = order // k                                              # [N*K] token row
+        weight_of = topk_weights.reshape(-1)[order]                        # [N*K]
+        start = sum(counts[:lo])
+        for e in range(lo, hi):
+            cnt = counts[e]
+            if cnt == 0:
+                continue
+            rows = token_of[start:start + cnt]
+            i = e - self.expert_lo
+            gate, up = F.linear(x[rows], self.w13[i], None if self.b13 is None else self.b13[i]).chunk(2, dim=-1)
+            y = F.linear(self._act(gate, up), self.w2[i], None if self.b2 is None else self.b2[i])  # [cnt, H]
+            # NOTE: routing weight cast to the model dtype before the product, as HF Qwen/OLMoE do
+            # (HF Mixtral multiplies in fp32 then casts; the two differ only by bf16 rounding).
+            y = y * weight_of[start:start + cnt, None].to(y.dtype)
+            out.index_add_(0, rows, y)
+            start += cnt
+        return out
+
+    def _forward_exact(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                       lo: int, hi: int, per_slot: bool = False) -> torch.Tensor:
+        w13, w2, b13, b2 = self._held(lo, hi)
+        return exact_ops.fused_experts(x, w13, w2, topk_weights, topk_ids, lo, per_slot=per_slot,
+                                       **self._bias_kw(b13, b2))
+
+    def _forward_exact_triton(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                              lo: int, hi: int, per_slot: bool = False) -> torch.Tensor:
+        from rollout.models.kernels.fused_moe_exact import fused_moe_exact  # noqa: PLC0415  (triton only when chosen)
+
+        w13, w2, b13, b2 = self._held(lo, hi)
+        return fused_moe_exact(x, w13, w2, topk_weights, topk_ids, lo, per_slot=per_slot, **self._bias_kw(b13, b2))
+
+    def exact_terms(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                    triton: bool = False) -> torch.Tensor:
+        """The held experts' weighted outputs per top-k slot [N, K, H] (0 for slots routed elsewhere);
+        triton: by the batch-invariant Triton kernel (moe_triton_exact.py)."""
+        run = self._forward_exact_triton if triton else self._forward_exact
+        return run(x, topk_weights, topk_ids, self.expert_lo, self.expert_hi, per_slot=True)
+
+    def _forward_triton(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                        lo: int, hi: int) -> torch.Tensor:
+        from rollout.models.kernels.fused_moe import fused_moe  # noqa: PLC0415  (triton only when chosen)
+
+        w13, w2, b13, b2 = self._held(lo, hi)
+        return fused_moe(x, w13, w2, topk_weights, topk_ids, lo, **self._bias_kw(b13, b2))
+
+    def _forward_dense(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                       lo: int, hi: int) -> torch.Tensor:
+        out = torch.zeros_like(x)
+        for e in range(lo, hi):
+            w = (topk_weights * (topk_ids == e)).sum(-1)                   # [N] float32, 0 if not picked
+            i = e - self.expert_lo
+            gate, up = F.linear(x, self.w13[i], None if self.b13 is None else self.b13[i]).chunk(2, dim=-1)
+            y = F.linear(self._act(gate, up), self.w2[i], None if self.b2 is None else self.b2[i])  # [N, H]
+            out = out + y * w[:, None].to(y.dtype)
+        return out
