@@ -24,6 +24,7 @@ from typing import Any, Optional
 import yaml
 
 from capture.buffer_sizing import ForwardShapeLimits, capture_buffer_rows
+from capture.routing_shape import expert_count, moe_layer_ids
 from rollout.config.engine_cli import engine_flags
 from rollout.config.engine_config import EngineConfig
 
@@ -77,7 +78,10 @@ class ModelShape:
             return default
 
         layers = get("num_hidden_layers")
-        experts = get("num_experts", "n_routed_experts", "num_local_experts")
+        try:
+            experts = expert_count(d)
+        except ValueError as exc:
+            raise ConfigFileError(f"{where}: {exc}") from None
         heads = get("num_attention_heads", required=False)
         mla = d.get("kv_lora_rank") is not None
         head_dim = get("head_dim", required=False) or (
@@ -88,11 +92,10 @@ class ModelShape:
         if d.get("moe_layer_ids") is not None:
             moe = tuple(d["moe_layer_ids"])
         else:
-            first_dense = d.get("first_k_dense_replace") or 0
-            step = d.get("decoder_sparse_step") or 1
-            dense_only = set(d.get("mlp_only_layers") or ())
-            moe = tuple(i for i in range(layers)
-                        if i >= first_dense and (i + 1) % step == 0 and i not in dense_only)
+            try:
+                moe = moe_layer_ids(d, layers, experts) if isinstance(layers, int) and isinstance(experts, int) else ()
+            except ValueError as exc:
+                raise ConfigFileError(f"{where}: {exc}") from None
         shape = cls(num_hidden_layers=layers, num_experts=experts, num_experts_per_tok=get("num_experts_per_tok"),
                     moe_layer_ids=moe, num_key_value_heads=get("num_key_value_heads", "num_attention_heads",
                                                                 default=1 if mla else None),

@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from capture.routing_shape import routing_shape
 from rollout.models.registry import ModelInfo
 from rollout.models.rope_scaling import YarnScaling
 
@@ -177,17 +178,8 @@ def common_fields(cfg: dict, generation_config: dict | None, *, default_theta: f
     )
 
 
-def num_experts(cfg: dict) -> int:
-    # NOTE: HF 5.x save_pretrained writes Qwen3-MoE's count as num_local_experts (attribute_map).
-    n = cfg.get("num_experts", cfg.get("num_local_experts"))
-    if n is None:
-        raise ValueError("config.json is missing required field 'num_experts' (or 'num_local_experts')")
-    return int(n)
-
-
-def sparse_layer_ids(cfg: dict, num_layers: int, n_experts: int) -> tuple[int, ...]:
-    """Qwen2/Qwen3-MoE rule: MoE unless in mlp_only_layers or off the decoder_sparse_step grid."""
-    dense = set(cfg.get("mlp_only_layers") or [])
-    step = int(cfg.get("decoder_sparse_step", 1) or 1)
-    return tuple(i for i in range(num_layers)
-                 if i not in dense and n_experts > 0 and (i + 1) % step == 0)
+def routing_fields(cfg: dict) -> dict:
+    """num_experts, top_k and moe_layer_ids as capture.routing_shape reads them (the one rule the
+    config file and the trainer's client read too)."""
+    shape = routing_shape(cfg)
+    return dict(num_experts=shape.num_experts, top_k=shape.top_k, moe_layer_ids=shape.moe_layer_ids)

@@ -7,6 +7,8 @@ import os
 from dataclasses import dataclass
 from typing import Mapping, Optional
 
+from capture.routing_shape import routing_shape, text_config
+
 
 @dataclass(frozen=True, kw_only=True)
 class ModelInfo:
@@ -41,16 +43,12 @@ class ModelInfo:
         except (OSError, ValueError) as exc:
             raise KeyError(f"the server reports no routing shape and {file!r} is not readable ({exc}); pass "
                            f"RolloutClient(model_config=...)") from None
-        cfg = cfg.get("text_config", cfg)
-        layers = int(cfg["num_hidden_layers"])
-        experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or cfg.get("n_routed_experts"))
-        only = set(cfg.get("mlp_only_layers") or ())
-        step = int(cfg.get("decoder_sparse_step") or 1)
-        first_dense = int(cfg.get("first_k_dense_replace") or 0)
-        moe = tuple(i for i in range(layers) if i not in only and (i + 1) % step == 0 and i >= first_dense)
+        shape = routing_shape(cfg)
+        cfg = text_config(cfg)
         arch = (cfg.get("architectures") or [""])[0]
-        return cls(num_layers=layers, num_experts=experts, top_k=int(cfg["num_experts_per_tok"]), moe_layers=moe,
-                   vocab_size=int(cfg["vocab_size"]), weight_version=weight_version, architecture=str(arch))
+        return cls(num_layers=shape.num_hidden_layers, num_experts=shape.num_experts, top_k=shape.top_k,
+                   moe_layers=shape.moe_layer_ids, vocab_size=int(cfg["vocab_size"]), weight_version=weight_version,
+                   architecture=str(arch))
 
     def same_model(self, other: "ModelInfo") -> bool:
         keys = ("num_layers", "num_experts", "top_k", "moe_layers", "vocab_size", "architecture")

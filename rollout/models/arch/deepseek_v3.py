@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from rollout.models.causal_lm import MoeCausalLM
 from rollout.models.rope_scaling import rope_parameters
-from rollout.models.spec import MLASpec, ModelSpec, common_fields, require
+from rollout.models.spec import MLASpec, ModelSpec, common_fields, require, routing_fields
 
 
 def grouped_routing_fields(cfg: dict, num_layers: int, default_scaling: float) -> dict:
@@ -17,20 +17,14 @@ def grouped_routing_fields(cfg: dict, num_layers: int, default_scaling: float) -
     method = cfg.get("topk_method", "noaux_tc")
     if method != "noaux_tc":
         raise ValueError(f"topk_method {method!r} is not supported (only 'noaux_tc')")
-    if int(cfg.get("moe_layer_freq", 1) or 1) != 1:
-        raise ValueError(f"moe_layer_freq {cfg['moe_layer_freq']} is not supported (only 1)")
-    n_experts = int(cfg.get("n_routed_experts") or cfg.get("num_local_experts") or require(cfg, "n_routed_experts"))
     moe_size = int(require(cfg, "moe_intermediate_size"))
-    first_dense = int(cfg.get("first_k_dense_replace", 0) or 0)
     nextn = int(cfg.get("num_nextn_predict_layers", 0) or 0)
     return dict(
         intermediate_size=int(cfg.get("intermediate_size") or 0),
-        num_experts=n_experts,
-        top_k=int(require(cfg, "num_experts_per_tok")),
         moe_intermediate_size=moe_size,
         shared_experts_intermediate_size=moe_size * int(cfg.get("n_shared_experts", 1) or 0),
         renormalize=bool(cfg.get("norm_topk_prob", True)),
-        moe_layer_ids=tuple(range(first_dense, num_layers)),
+        **routing_fields(cfg),
         scoring="sigmoid",
         n_group=int(cfg.get("n_group", 1) or 1),
         topk_group=int(cfg.get("topk_group", 1) or 1),

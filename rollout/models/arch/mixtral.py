@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from rollout.models.causal_lm import MoeCausalLM
-from rollout.models.spec import ModelSpec, common_fields, num_experts, require
+from rollout.models.spec import ModelSpec, common_fields, require, routing_fields
 
 
 class MixtralForCausalLM(MoeCausalLM):
@@ -22,9 +22,7 @@ class MixtralForCausalLM(MoeCausalLM):
         return ModelSpec(
             **common,
             sliding_windows=(int(window),) * n_layers if window else (),
-            num_experts=num_experts(cfg),
-            top_k=int(cfg.get("num_experts_per_tok", 2)),
             moe_intermediate_size=int(require(cfg, "intermediate_size")),
             renormalize=True,
-            moe_layer_ids=tuple(range(n_layers)),
+            **routing_fields(cfg),
         )

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from rollout.models.causal_lm import MoeCausalLM
-from rollout.models.spec import ModelSpec, common_fields, num_experts, require
+from rollout.models.spec import ModelSpec, common_fields, require, routing_fields
 
 
 class OlmoeForCausalLM(MoeCausalLM):
@@ -16,9 +16,7 @@ class OlmoeForCausalLM(MoeCausalLM):
             o_bias=bool(cfg.get("attention_bias", False)),
             qk_norm="full",
             clip_qkv=float(clip) if clip is not None else None,
-            num_experts=num_experts(cfg),
-            top_k=int(require(cfg, "num_experts_per_tok")),
             moe_intermediate_size=int(require(cfg, "intermediate_size")),
             renormalize=bool(cfg.get("norm_topk_prob", False)),
-            moe_layer_ids=tuple(range(common["num_hidden_layers"])),
+            **routing_fields(cfg),
         )

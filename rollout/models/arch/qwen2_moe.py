@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from rollout.models.causal_lm import MoeCausalLM
-from rollout.models.spec import ModelSpec, common_fields, num_experts, require, sparse_layer_ids
+from rollout.models.spec import ModelSpec, common_fields, require, routing_fields
 
 
 class Qwen2MoeForCausalLM(MoeCausalLM):
@@ -10,7 +10,6 @@ class Qwen2MoeForCausalLM(MoeCausalLM):
     def spec_from_config(cls, cfg: dict, generation_config: dict | None = None) -> ModelSpec:
         common = common_fields(cfg, generation_config, default_eps=1e-6, default_max_pos=32768)
         n_layers = common["num_hidden_layers"]
-        n_exp = num_experts(cfg)
         use_sw = bool(cfg.get("use_sliding_window", False))
         window = cfg.get("sliding_window") if use_sw else None
         # HF's default layer_types: sliding on even layers below max_window_layers, if enabled
@@ -24,10 +23,8 @@ class Qwen2MoeForCausalLM(MoeCausalLM):
             o_bias=False,
             sliding_windows=windows if any(windows) else (),
             intermediate_size=int(cfg.get("intermediate_size") or 0),
-            num_experts=n_exp,
-            top_k=int(require(cfg, "num_experts_per_tok")),
             moe_intermediate_size=int(require(cfg, "moe_intermediate_size")),
             shared_expert_intermediate_size=int(require(cfg, "shared_expert_intermediate_size")),
             renormalize=bool(cfg.get("norm_topk_prob", False)),
-            moe_layer_ids=sparse_layer_ids(cfg, n_layers, n_exp),
+            **routing_fields(cfg),
         )

@@ -2,14 +2,13 @@
 from __future__ import annotations
 
 from rollout.models.causal_lm import MoeCausalLM
-from rollout.models.spec import ModelSpec, common_fields, num_experts, require, sparse_layer_ids
+from rollout.models.spec import ModelSpec, common_fields, require, routing_fields
 
 
 class Qwen3MoeForCausalLM(MoeCausalLM):
     @classmethod
     def spec_from_config(cls, cfg: dict, generation_config: dict | None = None) -> ModelSpec:
         common = common_fields(cfg, generation_config, default_eps=1e-6, default_max_pos=32768)
-        n_exp = num_experts(cfg)
         window = cfg.get("sliding_window") if cfg.get("use_sliding_window", False) else None
         return ModelSpec(
             **common,
@@ -18,9 +17,7 @@ class Qwen3MoeForCausalLM(MoeCausalLM):
             qk_norm="head",
             sliding_windows=(window,) * common["num_hidden_layers"] if window else (),
             intermediate_size=int(cfg.get("intermediate_size") or 0),
-            num_experts=n_exp,
-            top_k=int(require(cfg, "num_experts_per_tok")),
             moe_intermediate_size=int(require(cfg, "moe_intermediate_size")),
             renormalize=bool(cfg.get("norm_topk_prob", False)),
-            moe_layer_ids=sparse_layer_ids(cfg, common["num_hidden_layers"], n_exp),
+            **routing_fields(cfg),
         )
