@@ -4,6 +4,7 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 import torch
+from torch import nn
 
 from rollout.batch.forward_batch import ForwardBatch
 from rollout.batch.kv_pool import SINK_SLOT, KVPool
@@ -48,3 +49,47 @@ def reference(layer: PagedAttention, q: torch.Tensor, fb: ForwardBatch) -> torch
     """PagedAttention's torch path (the sliding-window mask when the layer has a window), fp32."""
     mask = PagedAttention.sliding_window_mask(fb, layer.sliding_window) if layer.sliding_window else None
     return layer.torch_attend(q.float(), fb, mask)
+
+
+class _SinkModule(nn.Module):
+    """What transformers' gpt-oss eager_attention_forward reads from its attention module."""
+
+    def __init__(self, sinks: torch.Tensor, groups: int):
+        super().__init__()
+        self.sinks = sinks
+        self.num_key_value_groups = groups
+
+
+def hf_sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor], scale: float,
+                      sinks: torch.Tensor, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """transformers' gpt-oss eager attention itself, run in dtype (float64 by default: the
+    reference): q [B, H, E, D], k/v [B, kvH, S, D], mask bool broadcastable to [B, 1 or H, E, S]
+    (True = attend; to HF as an additive 0 / -inf mask) or None, sinks [H] -> [B, H, E, D] in dtype."""
+    from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
+
+    module = _SinkModule(sinks.to(dtype), q.shape[1] // k.shape[1]).eval()
+    additive = None
+    if mask is not None:
+        additive = torch.zeros(mask.shape, dtype=dtype).masked_fill(~mask, float("-inf"))
+    out, _ = eager_attention_forward(module, q.to(dtype), k.to(dtype), v.to(dtype), additive, scale)
+    return out.transpose(1, 2)                                                 # HF's [B, E, H, D] back
+
+
+def sink_reference(q: torch.Tensor, fb: ForwardBatch, scale: float, sinks: torch.Tensor,
+                   window: Optional[int] = None, seq_lens: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The paged batch's attention with sinks by hf_sink_attention, request by request (causal,
+    the keys of position > q_pos - window with a window) -> [N, H*D] fp64. seq_lens overrides
+    fb.seq_lens (each request's queries are its last tokens)."""
+    kv = fb.kv_pool.kv_buffers[0]
+    seq_lens = fb.seq_lens if seq_lens is None else seq_lens
+    out, at = [], 0
+    for b, (n, e) in enumerate(zip(seq_lens.tolist(), fb.extend_lens.tolist())):
+        cache = kv[fb.kv_indices[b, :n]].permute(1, 2, 0, 3)                    # [2, kvH, S, D]
+        q_pos = torch.arange(n - e, n)[:, None]
+        key_pos = torch.arange(n)[None, :]
+        see = (key_pos <= q_pos) & (key_pos > q_pos - (window or n + 1))         # [E, S]
+        rows = q[at:at + e].transpose(0, 1)[None]                               # [1, H, E, D]
+        out.append(hf_sink_attention(rows, cache[0][None], cache[1][None], see[None, None], scale, sinks)[0]
+                   .transpose(0, 1).reshape(e, -1))
+        at += e
+    return torch.cat(out)

@@ -13,6 +13,10 @@ leaves the sum unchanged, so the result does not depend on how many tiles the gr
 step over L keys, a chunked prefill, a prefix-cache hit and a full-sequence forward (a trainer's)
 give the same bits for the same query, and which other rows share its query tile changes nothing
 (tests/test_exact_attention.py checks row positions, grid widths and heads as rows).
+
+Attention sinks (gpt-oss): a row's sink logit joins its softmax denominator and adds no value. It
+enters the row's maximum (exact in any order) and its exp(sink - max) is added once to the row's
+key sum after the tree, so a row's bits still depend only on its own keys and its own sink.
 """
 from __future__ import annotations
 
@@ -36,10 +40,13 @@ def tree_sum(x: torch.Tensor, dim: int) -> torch.Tensor:
     return x
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
+              sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q [B, G, R, D], k [B, G, S, D], v [B, G, S, Dv], mask bool [B, 1 or G, R or 1, S] (True =
     attend; key s of request b is its position s; R 1: the same keys for every row) -> [B, G, R, Dv]
-    in q's dtype, computed in fp32.
+    in q's dtype, computed in fp32. sinks: each row's sink logit, broadcastable to [B, G, R] (the
+    caller maps query heads to rows: [1, G, 1] for one head per group, [1, kvH, E*grp] for a kv
+    head's (token, head) rows), taken in fp32; None: no sinks.
 
     Rows whose mask admits no key get 0."""
     b, g, r, d = q.shape
@@ -54,13 +61,25 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     scores = (scores * scale).view(g, b, nq, nk, Q_TILE, K_TILE)
     scores = scores.masked_fill(~_score_mask(mask, nq, nk, pr, ps).transpose(0, 1), float("-inf"))
     m = scores.amax(dim=(3, 5), keepdim=True)                                   # [G, B, nq, 1, Qt, 1]
-    # NOTE: a row that sees no key has m = -inf; shift by 0 there (its weights are all 0)
-    p = torch.exp(scores - torch.where(torch.isinf(m), torch.zeros_like(m), m))  # [G, B, nq, nk, Qt, Kt]
+    if sinks is not None:
+        sink = _row_sinks(sinks, b, g, r, pr)                                   # [G, B, nq, 1, Qt, 1]
+        m = torch.maximum(m, sink)
+    # NOTE: a row that sees no key (and has no sink) has m = -inf; shift by 0 there (its weights are all 0)
+    shift = torch.where(torch.isinf(m), torch.zeros_like(m), m)
+    p = torch.exp(scores - shift)                                               # [G, B, nq, nk, Qt, Kt]
     l = tree_sum(p.sum(-1, keepdim=True), 3)                                    # [G, B, nq, 1, Qt, 1]
+    if sinks is not None:
+        l = l + torch.exp(sink - shift)
     pv = torch.stack([torch.bmm(p[h].view(-1, Q_TILE, K_TILE), _tiles(vf[:, h], nq, nk)) for h in range(g)])
     acc = tree_sum(pv.view(g, b, nq, nk, Q_TILE, dv), 3)
     out = acc / torch.where(l == 0, torch.ones_like(l), l)                      # [G, B, nq, 1, Qt, Dv]
     return out.view(g, b, nq * Q_TILE, dv)[:, :, :r].transpose(0, 1).to(q.dtype)
+
+
+def _row_sinks(sinks: torch.Tensor, b: int, g: int, r: int, pr: int) -> torch.Tensor:
+    """sinks broadcastable to [B, G, R] -> fp32 [G, B, nq, 1, Q_TILE, 1] (padded rows' sinks 0)."""
+    rows = _pad_rows(sinks.float().expand(b, g, r)[..., None], pr)              # [B, G, nq * Qt, 1]
+    return rows.reshape(b, g, -1, 1, Q_TILE, 1).transpose(0, 1)
 
 
 def _tiles(x: torch.Tensor, nq: int, nk: int) -> torch.Tensor:

@@ -3,9 +3,15 @@
 One block of keys, gathered through the slot table, updates a running (max, sum, output) of the
 query rows: the flash-attention recurrence in fp32. A row that has seen no key yet keeps max
 -inf without NaNs (its scores are all -inf: exp(-inf - 0) = 0).
+
+Attention sinks (gpt-oss): a head's sink logit joins its rows' softmax denominator and adds no
+value. A row whose state starts from sink_state has it as a key already seen: max = sink, sum =
+exp(sink - sink) = 1, output 0; the recurrence then rescales it like any key, and a row that sees
+no key finishes with output 0 and log-sum-exp = sink.
 """
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
@@ -43,8 +49,23 @@ def attend_block(q, m_i, l_i, acc, KV, Table, pos, n_mask, see, kvh, stride_ks, 
 
 
 @triton.jit
+def sink_state(Sinks, heads, has):
+    """Sinks [H] fp32 at heads [M] (has [M]: the row takes its sink) -> the rows' starting (max [M],
+    sum [M]): (sink, 1) with a sink, (-inf, 0) (the empty state) without."""
+    m = tl.load(Sinks + heads, mask=has, other=float("-inf")).to(tl.float32)
+    return m, tl.where(m == float("-inf"), 0.0, 1.0)
+
+
+@triton.jit
 def finish_rows(m_i, l_i, acc):
     """-> the rows' attention output [M, D] and log-sum-exp [M] (-inf for a row with no key)."""
     seen = l_i > 0
     safe = tl.where(seen, l_i, 1.0)
     return acc / safe[:, None], tl.where(seen, m_i + tl.log(safe), float("-inf"))
+
+
+def check_sinks(sinks: torch.Tensor | None, heads: int) -> None:
+    """A kernel's sinks: None or fp32 [heads], contiguous (one logit per query head)."""
+    if sinks is not None:
+        assert sinks.shape == (heads,) and sinks.dtype == torch.float32 and sinks.is_contiguous(), \
+            (tuple(sinks.shape), sinks.dtype, heads)

@@ -6,7 +6,8 @@ backend, over the two levels of PagedKVMetadata (rollout/batch/paged_kv_metadata
 attends them over the group's prefix keys, so each prefix key is read once per group instead of
 once per sample; it leaves each member's partial output and log-sum-exp in the last part. Level 1:
 each request's own keys after the prefix through the split-KV decode kernel (parts 0 .. S-1).
-The merge kernel combines all parts by log-sum-exp. Math in fp32.
+The merge kernel combines all parts by log-sum-exp. Math in fp32. Attention sinks (gpt-oss): each
+request's split 0 of level 1 counts its heads' sinks (decode_partials), the prefix part none.
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from rollout.models.kernels.attention_block import attend_block, finish_rows
+from rollout.models.kernels.attention_block import attend_block, check_sinks, finish_rows
 from rollout.models.kernels.decode_attention import decode_partials, default_num_splits
 from rollout.models.kernels.merge_attention import merge_attention_states
 from rollout.batch.paged_kv_metadata import PagedKVMetadata
@@ -59,15 +60,18 @@ def _shared_prefix_kernel(Q, KV, Table, QoIndptr, KvIndptr, OutPart, LsePart,
 
 
 def cascade_decode_attention(q: torch.Tensor, kv_buffer: torch.Tensor, meta: PagedKVMetadata, *, scale: float,
-                             num_splits: int | None = None, block_m: int = 16) -> torch.Tensor:
+                             num_splits: int | None = None, block_m: int = 16,
+                             sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q [B, H, D] (one query per request, batch order), kv_buffer [slots, 2, kvH, D], meta: a
-    two-level (cascade) PagedKVMetadata on q's device -> [B, H*D] in q's dtype."""
+    two-level (cascade) PagedKVMetadata on q's device -> [B, H*D] in q's dtype. sinks [H] fp32:
+    query head h's sink logit (None: no sinks)."""
     assert meta.is_cascade and len(meta.levels) == 2
     bsz, heads, dim = q.shape
     if bsz == 0:
         return q.new_zeros(0, heads * dim)
     kvh = kv_buffer.shape[2]
     group = heads // kvh
+    check_sinks(sinks, heads)
     prefix, own = meta.levels
     splits = num_splits or default_num_splits(q.device)
     rows = q.index_select(0, meta.order).contiguous()                        # group members adjacent
@@ -83,6 +87,6 @@ def cascade_decode_attention(q: torch.Tensor, kv_buffer: torch.Tensor, meta: Pag
     own_start = own.kv_indptr[:-1]
     own_len = own.kv_indptr[1:] - own_start
     decode_partials(rows, kv_buffer, own.kv_indices, own_start, own_len, out_part, lse_part, splits=splits,
-                    scale=scale)
+                    scale=scale, sinks=sinks)
     merged = merge_attention_states(out_part, lse_part, torch.empty_like(rows))
     return torch.empty_like(merged).index_copy_(0, meta.order, merged).view(bsz, heads * dim)

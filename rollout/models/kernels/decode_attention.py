@@ -6,7 +6,9 @@ attends them over its share of the request's keys, read once through the slot ta
 a partial output and its log-sum-exp, and merge_attention_kernel merges the splits. A request's
 keys are cut into NUM_SPLITS even shares (of MIN_SPLIT keys at least) at run time, from its own
 length only: the grid depends only on shapes (CUDA graph safe) and a request's result does not
-depend on the batch around it. Math in fp32.
+depend on the batch around it. Math in fp32. Attention sinks (one logit per query head that joins
+the softmax denominator, gpt-oss): split 0 starts from its rows' sinks, so the merge counts each
+sink once, as a part of its own.
 """
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from rollout.models.kernels.attention_block import attend_block, finish_rows
+from rollout.models.kernels.attention_block import attend_block, check_sinks, finish_rows, sink_state
 from rollout.models.kernels.merge_attention import merge_attention_states
 
 NO_WINDOW = 1 << 30
@@ -22,14 +24,14 @@ MIN_SPLIT = 64   # GPU: fewest keys per split (a split that short is all launch 
 
 
 @triton.jit
-def _decode_partial_kernel(Q, KV, Table, KvStart, KvLen, OutPart, LsePart,
+def _decode_partial_kernel(Q, KV, Table, KvStart, KvLen, OutPart, LsePart, Sinks,
                            stride_qb, stride_qh, stride_ks, stride_kt, stride_kh,
                            stride_pb, stride_ph, stride_pp, stride_lb, stride_lh,
                            scale, window,
                            GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
                            MIN_SPLIT: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
                            BLOCK_N: tl.constexpr,
-                           IEEE: tl.constexpr):
+                           IEEE: tl.constexpr, HAS_SINKS: tl.constexpr = False):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -51,6 +53,9 @@ def _decode_partial_kernel(Q, KV, Table, KvStart, KvLen, OutPart, LsePart,
     q = q.to(KV.dtype.element_ty)
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
+    if HAS_SINKS:
+        # NOTE: a tensor, not the scalar split == 0 (the interpreter makes int32 of bool & scalar bool)
+        m_i, l_i = sink_state(Sinks, heads, g_mask & (offs_g * 0 + split == 0))
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     for n0 in range(s_lo, s_hi, BLOCK_N):
         pos = n0 + offs_n
@@ -73,31 +78,36 @@ def default_num_splits(device: torch.device) -> int:
 
 def decode_partials(q: torch.Tensor, kv_buffer: torch.Tensor, table: torch.Tensor, kv_start: torch.Tensor,
                     kv_len: torch.Tensor, out_part: torch.Tensor, lse_part: torch.Tensor, *, splits: int,
-                    scale: float, window: int | None = None) -> None:
+                    scale: float, window: int | None = None, sinks: torch.Tensor | None = None) -> None:
     """Stage 1: parts 0 .. splits-1 of out_part [B, H, P, D] / lse_part [B, H, P] (fp32, P >= splits).
     q [B, H, D]; kv_buffer [slots, 2, kvH, D]; request b's keys are at slots
-    table[kv_start[b] .. kv_start[b] + kv_len[b] - 1] (table: flat int32/int64)."""
+    table[kv_start[b] .. kv_start[b] + kv_len[b] - 1] (table: flat int32/int64). sinks [H] fp32:
+    head h's sink logit, counted in part 0 (which then holds it even with no key)."""
     bsz, heads, dim = q.shape
     kvh = kv_buffer.shape[2]
     if bsz == 0:
         return
     assert q.stride(2) == 1 and kv_buffer.stride(3) == 1 and table.is_contiguous()
     group = heads // kvh
+    check_sinks(sinks, heads)
     _decode_partial_kernel[(bsz, kvh, splits)](
-        q, kv_buffer, table, kv_start, kv_len, out_part, lse_part,
+        q, kv_buffer, table, kv_start, kv_len, out_part, lse_part, sinks,
         q.stride(0), q.stride(1), kv_buffer.stride(0), kv_buffer.stride(1), kv_buffer.stride(2),
         out_part.stride(0), out_part.stride(1), out_part.stride(2), lse_part.stride(0), lse_part.stride(1),
         scale, NO_WINDOW if window is None else window,
         GROUP=group, HEAD_DIM=dim, NUM_SPLITS=splits, MIN_SPLIT=MIN_SPLIT if q.is_cuda else 1,
         BLOCK_G=max(16, triton.next_power_of_2(group)),
-        BLOCK_D=max(16, triton.next_power_of_2(dim)), BLOCK_N=32, IEEE=kv_buffer.dtype == torch.float32)
+        BLOCK_D=max(16, triton.next_power_of_2(dim)), BLOCK_N=32, IEEE=kv_buffer.dtype == torch.float32,
+        HAS_SINKS=sinks is not None)
 
 
 def decode_attention(q: torch.Tensor, kv_buffer: torch.Tensor, kv_indices: torch.Tensor, seq_lens: torch.Tensor,
-                     *, scale: float, window: int | None = None, num_splits: int | None = None) -> torch.Tensor:
+                     *, scale: float, window: int | None = None, num_splits: int | None = None,
+                     sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q [B, H, D] (request b's query at position seq_lens[b] - 1), kv_buffer [slots, 2, kvH, D],
     kv_indices [B, S] (request b's slots by position; cells past seq_lens[b] are not read) ->
-    [B, H*D] in q's dtype."""
+    [B, H*D] in q's dtype. sinks [H] fp32: query head h's sink logit (None: no sinks); a request
+    with no key then gets 0."""
     bsz, heads, dim = q.shape
     if bsz == 0:
         return q.new_zeros(0, heads * dim)
@@ -107,7 +117,7 @@ def decode_attention(q: torch.Tensor, kv_buffer: torch.Tensor, kv_indices: torch
     out_part = torch.empty(bsz, heads, splits, dim, dtype=torch.float32, device=q.device)
     lse_part = torch.empty(bsz, heads, splits, dtype=torch.float32, device=q.device)
     decode_partials(q, kv_buffer, table, kv_start, seq_lens, out_part, lse_part, splits=splits, scale=scale,
-                    window=window)
+                    window=window, sinks=sinks)
     if splits == 1:
         return out_part.view(bsz, heads * dim).to(q.dtype)
     out = torch.empty(bsz, heads, dim, dtype=q.dtype, device=q.device)

@@ -5,7 +5,8 @@ Replaces the prefill path of PagedAttention (rollout/models/layers.py, which sta
 reference). Program (request, query head, block of new tokens): the block's queries sit at
 positions kv_len - qo_len + i; it walks the request's keys up to its last query's position
 (and from its first query's window start, for sliding-window layers) with an online softmax.
-GQA: query head h reads kv head h // G. Math in fp32.
+GQA: query head h reads kv head h // G. Math in fp32. Attention sinks (gpt-oss): a query's
+softmax starts from its head's sink logit (a key seen before any other, of value 0).
 """
 from __future__ import annotations
 
@@ -13,17 +14,17 @@ import torch
 import triton
 import triton.language as tl
 
-from rollout.models.kernels.attention_block import attend_block, finish_rows
+from rollout.models.kernels.attention_block import attend_block, check_sinks, finish_rows, sink_state
 from rollout.models.kernels.decode_attention import NO_WINDOW
 
 
 @triton.jit
-def _extend_kernel(Q, KV, Table, QoStart, QoLen, KvStart, KvLen, Out,
+def _extend_kernel(Q, KV, Table, QoStart, QoLen, KvStart, KvLen, Out, Sinks,
                    stride_qn, stride_qh, stride_ks, stride_kt, stride_kh, stride_on, stride_oh,
                    scale, window,
                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    BLOCK_D: tl.constexpr, IEEE: tl.constexpr, ALIGN: tl.constexpr = False,
-                   ROWWISE: tl.constexpr = False):
+                   ROWWISE: tl.constexpr = False, HAS_SINKS: tl.constexpr = False):
     b = tl.program_id(0)
     h = tl.program_id(1)
     mblk = tl.program_id(2)
@@ -52,6 +53,8 @@ def _extend_kernel(Q, KV, Table, QoStart, QoLen, KvStart, KvLen, Out,
         lo = lo // BLOCK_N * BLOCK_N
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
+    if HAS_SINKS:
+        m_i, l_i = sink_state(Sinks, h + tl.zeros([BLOCK_M], tl.int32), m_mask)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     for n0 in range(lo, hi, BLOCK_N):
         pos = n0 + offs_n
@@ -66,15 +69,18 @@ def _extend_kernel(Q, KV, Table, QoStart, QoLen, KvStart, KvLen, Out,
 
 def extend_attention(q: torch.Tensor, kv_buffer: torch.Tensor, kv_indices: torch.Tensor, extend_lens: torch.Tensor,
                      seq_lens: torch.Tensor, *, max_extend: int, scale: float, window: int | None = None,
-                     block_m: int | None = None, exact: bool = False) -> torch.Tensor:
+                     block_m: int | None = None, exact: bool = False,
+                     sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q [N, H, D] packed (request b's extend_lens[b] new tokens in order, at positions
     seq_lens[b] - extend_lens[b] ..), kv_buffer [slots, 2, kvH, D] (the new tokens' k/v already
     written), kv_indices [B, S] slots by position -> [N, H*D] in q's dtype. max_extend: the
     largest extend_lens (a host int: the grid). exact: batch-invariant (deterministic inference):
     fixed blocks, key tiles aligned at key 0, so a query's bits depend only on its own request's
-    keys up to it: decode (extend 1), chunked prefill and a whole prompt agree."""
+    keys up to it: decode (extend 1), chunked prefill and a whole prompt agree. sinks [H] fp32:
+    query head h's sink logit (None: no sinks); a query that sees no key then gets 0."""
     n, heads, dim = q.shape
     bsz = extend_lens.shape[0]
+    check_sinks(sinks, heads)
     out = torch.zeros(n, heads, dim, dtype=q.dtype, device=q.device)
     if n == 0 or bsz == 0:
         return out.view(n, heads * dim)
@@ -86,10 +92,10 @@ def extend_attention(q: torch.Tensor, kv_buffer: torch.Tensor, kv_indices: torch
     kvh = kv_buffer.shape[2]
     assert q.stride(2) == 1 and kv_buffer.stride(3) == 1
     _extend_kernel[(bsz, heads, triton.cdiv(max_extend, block_m))](
-        q, kv_buffer, table, qo_start, extend_lens, kv_start, seq_lens, out,
+        q, kv_buffer, table, qo_start, extend_lens, kv_start, seq_lens, out, sinks,
         q.stride(0), q.stride(1), kv_buffer.stride(0), kv_buffer.stride(1), kv_buffer.stride(2),
         out.stride(0), out.stride(1), scale, NO_WINDOW if window is None else window,
         GROUP=heads // kvh, HEAD_DIM=dim, BLOCK_M=block_m, BLOCK_N=32,
         BLOCK_D=max(16, triton.next_power_of_2(dim)), IEEE=kv_buffer.dtype == torch.float32,
-        ALIGN=exact, ROWWISE=exact and not q.is_cuda)
+        ALIGN=exact, ROWWISE=exact and not q.is_cuda, HAS_SINKS=sinks is not None)
     return out.view(n, heads * dim)
