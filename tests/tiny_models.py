@@ -8,6 +8,7 @@ import torch
 
 ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")   # softmax routers (tests/test_models.py)
 GROUPED_ARCHS = ("deepseek_v3", "glm4_moe")               # sigmoid + correction bias (tests/test_deepseek_glm.py)
+NEW_ARCHS = ("gpt_oss", "minimax_m2")                     # tests/test_gpt_oss_minimax.py
 
 _COMMON = dict(vocab_size=256, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
                num_key_value_heads=2, max_position_embeddings=512, bos_token_id=1, eos_token_id=2,
@@ -33,23 +34,35 @@ _PER_ARCH = {
     "glm4_moe": dict(head_dim=32, intermediate_size=96, moe_intermediate_size=32, n_routed_experts=16,
                      num_experts_per_tok=4, n_group=4, topk_group=2, n_shared_experts=1, first_k_dense_replace=1,
                      routed_scaling_factor=1.5, partial_rotary_factor=0.5, use_qk_norm=True, attention_bias=True),
+    # sinks, sliding window 8 on even layers, q/k/v/o biases, YaRN (truncate false), biased router
+    # (top-k then softmax), experts with biases and the clamped SwiGLU; sizes multiples of 32 (MXFP4)
+    "gpt_oss": dict(head_dim=16, intermediate_size=64, num_local_experts=8, num_experts_per_tok=2, sliding_window=8,
+                    max_position_embeddings=256, attention_bias=True, swiglu_limit=7.0,
+                    rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                     "truncate": False, "original_max_position_embeddings": 64,
+                                     "rope_theta": 150000.0}),
+    # q/k norm over the whole projection, partial rotary (the released configs' rotary_dim), sigmoid
+    # routing with a correction bias and no groups
+    "minimax_m2": dict(head_dim=16, intermediate_size=32, num_local_experts=8, num_experts_per_tok=2, rotary_dim=8),
 }
 
 
 def tiny_config(arch: str, **overrides):
-    from transformers import (DeepseekV3Config, Glm4MoeConfig, MixtralConfig, OlmoeConfig, Qwen2MoeConfig,
-                              Qwen3MoeConfig)
+    from transformers import (DeepseekV3Config, Glm4MoeConfig, GptOssConfig, MiniMaxM2Config, MixtralConfig,
+                              OlmoeConfig, Qwen2MoeConfig, Qwen3MoeConfig)
 
     classes = {"qwen3_moe": Qwen3MoeConfig, "qwen2_moe": Qwen2MoeConfig,
                "mixtral": MixtralConfig, "olmoe": OlmoeConfig,
-               "deepseek_v3": DeepseekV3Config, "glm4_moe": Glm4MoeConfig}
+               "deepseek_v3": DeepseekV3Config, "glm4_moe": Glm4MoeConfig,
+               "gpt_oss": GptOssConfig, "minimax_m2": MiniMaxM2Config}
     if arch not in classes:
-        raise ValueError(f"unknown tiny arch {arch!r}; choose from {ARCHS + GROUPED_ARCHS}")
+        raise ValueError(f"unknown tiny arch {arch!r}; choose from {ARCHS + GROUPED_ARCHS + NEW_ARCHS}")
     return classes[arch](**{**_COMMON, **_PER_ARCH[arch], **overrides})
 
 
 def make_tiny_checkpoint(arch: str, path: str | Path, seed: int = 0, std: float = 0.15,
-                         max_shard_size: str | None = None, bias_std: float = 0.1, **overrides) -> Path:
+                         max_shard_size: str | None = None, bias_std: float = 0.1, dtype: str = "float32",
+                         **overrides) -> Path:
     """Save a tiny random `arch` model with save_pretrained (safetensors) + generation_config.
 
     Every parameter is redrawn (norm weights around 1, biases small) so that routing, norms and
@@ -75,6 +88,8 @@ def make_tiny_checkpoint(arch: str, path: str | Path, seed: int = 0, std: float 
                 b.copy_(bias_std * torch.randn(b.shape, generator=gen))
     model.generation_config = GenerationConfig(bos_token_id=1, eos_token_id=[2, 3], pad_token_id=0)
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    if dtype != "float32":    # the same draw, rounded (a BF16 release of the same weights)
+        model = model.to(getattr(torch, dtype))
     model.save_pretrained(path, safe_serialization=True, **kwargs)
     return path
 

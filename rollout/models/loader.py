@@ -4,6 +4,10 @@ HF 5.x save_pretrained writes experts per expert (model.layers.{i}.mlp.experts.{
 up_proj, down_proj; Mixtral: block_sparse_moe.experts.{e}.w1/w3/w2). The in-memory HF 5.x fused
 layout (mlp.experts.gate_up_proj [E, 2I, H], mlp.experts.down_proj [E, H, I]) is accepted too.
 Both are fused here into mlp.experts.w13 [E, 2I, H] (gate rows, then up rows) and w2 [E, H, I].
+An architecture whose checkpoint lays a tensor out otherwise names it in `hf_transforms` (gpt-oss:
+gate_up_proj [E, H, 2I] with gate / up interleaved, down_proj [E, I, H]): the shape is checked
+after the transform and the tensor transformed as it is copied. MXFP4 tensors (`<name>_blocks` /
+`<name>_scales`, gpt-oss's experts) are dequantized on load into the model's dtype (quant/mxfp4.py).
 """
 from __future__ import annotations
 
@@ -15,6 +19,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 from torch import nn
+
+from rollout.models.quant.mxfp4 import dequantize_checkpoint_tensor, pair_mxfp4_names
 
 _PER_EXPERT = re.compile(r"^(.+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 _FUSED = re.compile(r"^(.+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
@@ -36,6 +42,31 @@ class Target:
     expert: int | None = None
     half: int | None = None      # w13 only: 0 = gate rows, 1 = up rows
     source_rows: tuple[int, int] | None = None
+    transform: str | None = None   # a TRANSFORMS key: the checkpoint's layout -> the parameter's
+
+
+def _deinterleave(t: torch.Tensor) -> torch.Tensor:
+    """[..., 2I] with gate / up alternating -> [..., 2I] gate half then up half."""
+    return torch.cat((t[..., 0::2], t[..., 1::2]), dim=-1)
+
+
+# name -> (shape of the transformed tensor from the checkpoint's shape, the transform)
+TRANSFORMS = {
+    # [E, H, 2I] interleaved -> w13 [E, 2I, H] gate rows then up rows
+    "gate_up_interleaved": (lambda s: (s[0], s[2], s[1]), lambda t: _deinterleave(t).transpose(1, 2)),
+    # [E, I, H] -> w2 [E, H, I]
+    "transpose": (lambda s: (s[0], s[2], s[1]), lambda t: t.transpose(1, 2)),
+    # [E, 2I] interleaved -> b13 [E, 2I] gate then up
+    "interleaved": (lambda s: tuple(s), _deinterleave),
+}
+
+
+def transformed_shape(shape: tuple[int, ...], t: "Target") -> tuple[int, ...]:
+    return tuple(shape) if t.transform is None else tuple(TRANSFORMS[t.transform][0](shape))
+
+
+def transformed(tensor: torch.Tensor, t: "Target") -> torch.Tensor:
+    return tensor if t.transform is None else TRANSFORMS[t.transform][1](tensor)
 
 
 def resolve(model: nn.Module, hf_name: str) -> Target | None:
@@ -50,6 +81,9 @@ def resolve(model: nn.Module, hf_name: str) -> Target | None:
     name = hf_name
     for pattern, repl in getattr(model, "hf_renames", ()):
         name = re.sub(pattern, repl, name)
+    for pattern, transform in getattr(model, "hf_transforms", ()):
+        if re.search(pattern, hf_name):
+            return Target(name, transform=transform)
     if m := _PER_EXPERT.match(name):
         prefix, e, proj = m.group(1), int(m.group(2)), m.group(3)
         if proj == "down_proj":
@@ -95,7 +129,7 @@ def _pieces(name: str, experts: tuple[int, int, int] | None,
     if experts is None:
         return {(None, None)}
     lo, hi, n = experts
-    halves = (0, 1) if name.endswith(".w13") else (None,)
+    halves = (0, 1) if name.endswith((".w13", ".b13")) else (None,)
     return {(e, h) for e in (range(lo, hi) if held_only else range(n)) for h in halves}
 
 
@@ -120,6 +154,7 @@ def plan(model: nn.Module, shapes: dict[str, tuple[int, ...]], *, require_all: b
         t = resolve(model, hf_name)
         if t is None:
             continue
+        shape = transformed_shape(shape, t)
         if t.param not in params:
             unexpected.append(f"{hf_name} {list(shape)}")
             continue
@@ -144,7 +179,7 @@ def plan(model: nn.Module, shapes: dict[str, tuple[int, ...]], *, require_all: b
             continue
         seen |= got
         if experts is not None and t.expert is None and experts[:2] != (0, experts[2]):
-            t = Target(t.param, source_rows=experts[:2])
+            t = Target(t.param, source_rows=experts[:2], transform=t.transform)
         if experts is not None and t.expert is not None and not experts[0] <= t.expert < experts[1]:
             continue                                 # another rank's expert
         targets[hf_name] = t
@@ -169,7 +204,7 @@ def plan(model: nn.Module, shapes: dict[str, tuple[int, ...]], *, require_all: b
 def copy_into(model: nn.Module, params: dict[str, torch.Tensor], t: Target, value: torch.Tensor) -> None:
     """Copy one planned checkpoint tensor (already sliced to t.source_rows) into its parameter."""
     experts = _experts_of(model, t.param)
-    target_view(params[t.param], t, experts[0] if experts else 0).copy_(value)
+    target_view(params[t.param], t, experts[0] if experts else 0).copy_(transformed(value, t))
 
 
 def _checkpoint_files(model_path: str | Path) -> list[Path]:
@@ -202,16 +237,35 @@ def load_checkpoint(model: nn.Module, model_path: str | Path) -> None:
                     raise ValueError(f"tensor {key!r} appears in both {file_of[key].name} and {f.name}")
                 shapes[key] = tuple(st.get_slice(key).get_shape())
                 file_of[key] = f
+    # MXFP4: each <name>_blocks [E, out, in/32, 16] / <name>_scales pair is one tensor <name>, as
+    # transformers holds it dequantized ([E, in, out])
+    quantized = pair_mxfp4_names(shapes)
+    for name, (blocks, scales) in quantized.items():
+        if len(shapes[blocks]) != 4:
+            raise ValueError(f"MXFP4 tensor {blocks}: expected [experts, rows, groups, 16], got {list(shapes[blocks])}")
+        e, out, groups, per = shapes.pop(blocks)
+        shapes.pop(scales)
+        shapes[name] = (e, groups * per * 2, out)
     targets = plan(model, shapes, require_all=True)
     params = dict(model.named_parameters())
+    dtype = next(iter(params.values())).dtype if params else torch.float32
+
+    def read(st, key: str, t: Target) -> torch.Tensor:
+        # NOTE: an expert shard reads only its rows of a stacked-experts tensor
+        return st.get_tensor(key) if t.source_rows is None else st.get_slice(key)[slice(*t.source_rows)]
+
+    for name, t in targets.items():
+        if name in quantized:
+            blocks, scales = quantized[name]
+            with safe_open(str(file_of[blocks]), framework="pt") as sb, \
+                    safe_open(str(file_of[scales]), framework="pt") as ss:
+                _, value = dequantize_checkpoint_tensor(name, read(sb, blocks, t), read(ss, scales, t), dtype)
+            copy_into(model, params, t, value)
     for f in files:
         with safe_open(str(f), framework="pt") as st:
             for key in st.keys():
                 if key in targets:
-                    t = targets[key]
-                    # NOTE: an expert shard reads only its rows of a stacked-experts tensor
-                    value = st.get_tensor(key) if t.source_rows is None else st.get_slice(key)[slice(*t.source_rows)]
-                    copy_into(model, params, t, value)
+                    copy_into(model, params, targets[key], read(st, key, targets[key]))
 
 
 @torch.no_grad()

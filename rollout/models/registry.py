@@ -16,6 +16,8 @@ _ARCHITECTURES = {
     "OlmoeForCausalLM": "rollout.models.arch.olmoe:OlmoeForCausalLM",
     "DeepseekV3ForCausalLM": "rollout.models.arch.deepseek_v3:DeepseekV3ForCausalLM",
     "Glm4MoeForCausalLM": "rollout.models.arch.glm4_moe:Glm4MoeForCausalLM",
+    "GptOssForCausalLM": "rollout.models.arch.gpt_oss:GptOssForCausalLM",
+    "MiniMaxM2ForCausalLM": "rollout.models.arch.minimax_m2:MiniMaxM2ForCausalLM",
 }
 
 
@@ -77,10 +79,18 @@ def architecture_of(cfg: dict) -> str:
     return archs[0]
 
 
+def model_spec(cfg: dict, generation_config: dict | None):
+    """The ModelSpec of a config.json: its architecture and weight format are supported, or ValueError."""
+    from rollout.models.quant.mxfp4 import check_quantization_config  # noqa: PLC0415  (the arch modules import this one)
+
+    cls = model_class(architecture_of(cfg))
+    check_quantization_config(cfg)
+    return cls.spec_from_config(cfg, generation_config)
+
+
 def model_info(model_path: str | Path):
     """ModelInfo from the config files alone (no weights read)."""
-    cfg, gen = read_config(model_path)
-    return model_class(architecture_of(cfg)).spec_from_config(cfg, gen).info
+    return model_spec(*read_config(model_path)).info
 
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -109,7 +119,7 @@ def load_model(model_path: str | Path, dtype: torch.dtype | str = "auto",
     cfg, gen = read_config(model_path)
     dtype = resolve_dtype(dtype, cfg)
     cls = model_class(architecture_of(cfg))
-    spec = cls.spec_from_config(cfg, gen)
+    spec = model_spec(cfg, gen)
     # NOTE: parameters are created on the meta device (no random init) and then materialised;
     # load_checkpoint overwrites every one of them or raises.
     with torch.device("meta"):

@@ -10,6 +10,7 @@ but the backend itself (Triton) or plan into the wrapper's own fixed buffers (Fl
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections import Counter
 from typing import Any, Optional
 
@@ -18,6 +19,8 @@ import torch
 from rollout.config.backends import check_attention_backend
 from rollout.batch.forward_batch import ForwardBatch
 from rollout.batch.paged_kv_metadata import paged_kv_metadata
+
+logger = logging.getLogger(__name__)
 
 
 class TritonAttentionBackend:
@@ -58,18 +61,18 @@ class TritonAttentionBackend:
             return q.new_zeros(0, q.shape[1] * q.shape[2])
         if fb.attention_plan is not None and window is None:
             self.calls["cascade"] += 1
-            return cascade_decode_attention(q, kv, fb.attention_plan, scale=attn.scale, num_splits=self.num_splits)
+            return cascade_decode_attention(q, kv, fb.attention_plan, scale=attn.scale, num_splits=self.num_splits, sinks=attn.sinks)
         if self.exact:
             self.calls["exact"] += 1
             return extend_attention(q, kv, fb.kv_indices, fb.extend_lens, fb.seq_lens, max_extend=fb.max_extend,
-                                    scale=attn.scale, window=window, exact=True)
+                                    scale=attn.scale, window=window, exact=True, sinks=attn.sinks)
         if fb.max_extend == 1:
             self.calls["decode"] += 1
             return decode_attention(q, kv, fb.kv_indices, fb.seq_lens, scale=attn.scale, window=window,
-                                    num_splits=self.num_splits)
+                                    num_splits=self.num_splits, sinks=attn.sinks)
         self.calls["extend"] += 1
         return extend_attention(q, kv, fb.kv_indices, fb.extend_lens, fb.seq_lens, max_extend=fb.max_extend,
-                                scale=attn.scale, window=window)
+                                scale=attn.scale, window=window, sinks=attn.sinks)
 
 
 def make_attention_backend(name: str, *, device: torch.device, model: torch.nn.Module,
@@ -85,9 +88,13 @@ def make_attention_backend(name: str, *, device: torch.device, model: torch.nn.M
         return TritonAttentionBackend(exact=exact)
     if exact:
         raise ValueError(f"enable_deterministic_inference: attention_backend must be 'torch' or 'triton', got {name!r}")
+    spec = model.spec
+    if spec.attention_sinks:
+        # NOTE: the FlashInfer wrappers used here take no per-head sinks; the Triton kernels do
+        logger.warning("attention_backend='flashinfer' has no attention sinks (%s): using 'triton'", spec.architecture)
+        return TritonAttentionBackend()
     from rollout.models.attention.flashinfer import FlashInferAttentionBackend  # noqa: PLC0415
 
-    spec = model.spec
     windows = {spec.sliding_window(i) for i in range(spec.num_hidden_layers)}
     return FlashInferAttentionBackend(device=device, num_heads=spec.num_attention_heads,
                                       num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,

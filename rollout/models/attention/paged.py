@@ -12,6 +12,7 @@ from torch import nn
 
 from rollout import exact as exact_ops
 from rollout.batch.forward_batch import ForwardBatch
+from rollout.models.attention.sink_sdpa import sdpa_with_sinks
 
 
 MASK_BLOCK_CELLS = 1 << 24   # query x key cells of one mask block (16 MiB of bool)
@@ -27,7 +28,7 @@ class PagedAttention(nn.Module):
     exact = False   # rollout.exact.attention (deterministic inference)
 
     def __init__(self, *, layer_id: int, num_heads: int, num_kv_heads: int, head_dim: int,
-                 sliding_window: int | None = None):
+                 sliding_window: int | None = None, sinks: bool = False):
         super().__init__()
         assert num_heads % num_kv_heads == 0, (num_heads, num_kv_heads)
         self.layer_id = layer_id
@@ -36,6 +37,15 @@ class PagedAttention(nn.Module):
         self.head_dim = head_dim
         self.sliding_window = sliding_window
         self.scale = head_dim ** -0.5
+        # gpt-oss: one learned logit per query head joins each softmax's denominator (no value);
+        # kept in float32 (the kernels read it so; bf16 -> fp32 is exact)
+        self.sinks = nn.Parameter(torch.empty(num_heads, dtype=torch.float32)) if sinks else None
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        if self.sinks is not None and self.sinks.dtype != torch.float32:
+            self.sinks.data = self.sinks.data.float()
+        return self
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, fb: ForwardBatch,
                 attn_mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -58,7 +68,7 @@ class PagedAttention(nn.Module):
 
     def torch_attend(self, q: torch.Tensor, fb: ForwardBatch, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
         """The torch path (and every kernel's reference): SDPA over the step's own attention grid."""
-        if fb.cascade is not None and attn_mask is None and not self.exact:
+        if fb.cascade is not None and attn_mask is None and not self.exact and self.sinks is None:
             return fb.cascade.attend(q, fb.kv_pool.kv_buffers[self.layer_id], self.scale)
         if fb.segments:
             return torch.cat([
@@ -105,6 +115,8 @@ class PagedAttention(nn.Module):
         """q [N, H, D] over keys / values [B, kvH, S, D] under mask [B, 1, extend, S] -> [N, H*D]."""
         n, h, d = q.shape
         kvh = self.num_kv_heads
+        if self.sinks is not None:
+            return self._sdpa_sinks(q, keys, values, bsz, extend, q_pad_index, mask)
         if extend == 1 and q_pad_index is None and kvh != h:
             # decode with GQA: each kv head's query heads become its query rows (same math, and
             # the CPU kernel is faster than with enable_gqa)
@@ -119,6 +131,20 @@ class PagedAttention(nn.Module):
         q_pad = q_pad.view(bsz, extend, h, d).transpose(1, 2)                  # [B, H, E, D]
         out = F.scaled_dot_product_attention(q_pad, keys, values, attn_mask=mask, scale=self.scale,
                                              enable_gqa=h != kvh)              # [B, H, E, D]
+        out = out.transpose(1, 2).reshape(bsz * extend, h * d)
+        return out if q_pad_index is None else out[q_pad_index]
+
+    def _sdpa_sinks(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bsz: int, extend: int,
+                    q_pad_index: torch.Tensor | None, mask: torch.Tensor) -> torch.Tensor:
+        """_sdpa's form for a layer with sinks (attention/sink_sdpa.py)."""
+        n, h, d = q.shape
+        if q_pad_index is None:
+            q_pad = q
+        else:
+            q_pad = q.new_zeros(bsz * extend, h, d)
+            q_pad[q_pad_index] = q
+        q_pad = q_pad.view(bsz, extend, h, d).transpose(1, 2)                  # [B, H, E, D]
+        out = sdpa_with_sinks(q_pad, keys, values, mask, self.scale, self.sinks)   # [B, H, E, D]
         out = out.transpose(1, 2).reshape(bsz * extend, h * d)
         return out if q_pad_index is None else out[q_pad_index]
 
@@ -146,7 +172,10 @@ class PagedAttention(nn.Module):
         # decode: every row of a kv head is the same token, one mask row serves them all
         row_mask = mask if extend == 1 else \
             mask[:, :, :, None].expand(bsz, 1, extend, grp, seq).reshape(bsz, 1, extend * grp, seq)
-        out = exact_ops.attention(rows, keys, values, row_mask, self.scale)    # [B, kvH, E*G, D]
+        sinks = None
+        if self.sinks is not None:                                             # one logit per row
+            sinks = self.sinks.view(kvh, 1, grp).expand(kvh, extend, grp).reshape(1, kvh, extend * grp)
+        out = exact_ops.attention(rows, keys, values, row_mask, self.scale, sinks=sinks)   # [B, kvH, E*G, D]
         out = out.view(bsz, kvh, extend, grp, d).transpose(1, 2).reshape(bsz * extend, h * d)
         return out if q_pad_index is None else out.index_select(0, q_pad_index)
 

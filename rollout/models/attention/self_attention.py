@@ -29,7 +29,7 @@ class SelfAttention(nn.Module):
             self.k_norm = RMSNorm(kvh * d, spec.rms_norm_eps)
         self.clip_qkv = spec.clip_qkv
         self.attn = PagedAttention(layer_id=layer_id, num_heads=h, num_kv_heads=kvh, head_dim=d,
-                                   sliding_window=spec.sliding_window(layer_id))
+                                   sliding_window=spec.sliding_window(layer_id), sinks=spec.attention_sinks)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fb: ForwardBatch,
                 attn_mask: torch.Tensor | None) -> torch.Tensor:
