@@ -19,7 +19,7 @@ from transformers import GptOssConfig
 from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts, GptOssTopKRouter
 
 from rollout.exact import fused_experts, silu, sum_slots, swiglu
-from rollout.models.moe import softmax_topk
+from rollout.models.moe.routing import softmax_topk
 from rollout.models.moe.routing import topk_softmax
 
 # NOTE: fp32 against a float64 reference: |diff| <= FP32_TOL * (1 + max |reference|)
