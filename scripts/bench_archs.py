@@ -2,10 +2,13 @@
 
     python scripts/bench_archs.py [--repeats 3] [--prompts 8] [--n 4] [--threads 1] [--json PATH]
 
-Builds three random checkpoints of matched size with transformers (hidden 128, 4 layers, 16
-routed experts, top-4, vocab and tokenizer of the embedded model): Qwen3-MoE (GQA), DeepSeek-V3
-(MLA, grouped sigmoid routing, a dense first layer, a shared expert) and GLM-4.5 (GQA with
-partial rotary, the same routing). Each measured run is a fresh process (capture on, fp32,
+Builds a random checkpoint of matched size for every served architecture with transformers
+(hidden 128, 4 layers, 16 routed experts of width 64, top-4, vocab and tokenizer of the embedded
+model): Qwen3-MoE (GQA), DeepSeek-V3 (MLA, grouped sigmoid routing, a dense first layer, a shared
+expert), GLM-4.5 (GQA with partial rotary, the same routing), Qwen2-MoE (a gated shared expert),
+Mixtral, OLMoE (MHA, full-width q/k norm), gpt-oss (sinks, a 128-token window on alternate
+layers, biased clamped-SwiGLU experts, YaRN) and MiniMax-M2 (partial rotary, sigmoid routing).
+`--archs` picks some of them (Qwen3-MoE, the baseline, always runs first). Each measured run is a fresh process (capture on, fp32,
 sampled, ignore_eos); the architectures are interleaved; the table shows the median and the best
 output tokens/s (on a shared machine the best run is the least disturbed one). --threads sets
 torch's (and OpenMP's) threads per run: 1 degrades gracefully when other jobs share the cores,
@@ -41,6 +44,15 @@ ARCHS = {
     "GLM-4.5": ("Glm4MoeConfig", dict(head_dim=32, n_routed_experts=16, n_group=4, topk_group=2, n_shared_experts=1,
                                       first_k_dense_replace=1, partial_rotary_factor=0.5, use_qk_norm=True,
                                       attention_bias=True)),
+    "Qwen2-MoE": ("Qwen2MoeConfig", dict(num_experts=16, shared_expert_intermediate_size=64, norm_topk_prob=False)),
+    "Mixtral": ("MixtralConfig", dict(num_local_experts=16, intermediate_size=64)),
+    "OLMoE": ("OlmoeConfig", dict(num_experts=16, intermediate_size=64)),
+    "gpt-oss": ("GptOssConfig", dict(head_dim=32, num_local_experts=16, intermediate_size=64, sliding_window=128,
+                                     rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0,
+                                                      "beta_slow": 1.0, "truncate": False,
+                                                      "original_max_position_embeddings": 512,
+                                                      "rope_theta": 150000.0})),
+    "MiniMax-M2": ("MiniMaxM2Config", dict(head_dim=32, num_local_experts=16, intermediate_size=64, rotary_dim=16)),
 }
 
 
@@ -85,7 +97,9 @@ def main(argv=None) -> None:
     ap.add_argument("--n", type=int, default=4)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--json", metavar="PATH")
+    ap.add_argument("--archs", nargs="+", choices=list(ARCHS), default=list(ARCHS))
     args = ap.parse_args(argv)
+    names = ["Qwen3-MoE"] + [a for a in args.archs if a != "Qwen3-MoE"]
     if min(args.repeats, args.prompts, args.n, args.threads) < 1:
         ap.error("--repeats, --prompts, --n and --threads must be >= 1")
     from rollout.models import model_info
@@ -93,10 +107,10 @@ def main(argv=None) -> None:
 
     tmp = tempfile.mkdtemp(prefix="bench_archs_")
     try:
-        paths = {name: os.path.join(tmp, name) for name in ARCHS}
+        paths = {name: os.path.join(tmp, name) for name in names}
         for name, path in paths.items():
             build(name, path)
-        runs: dict[str, list[float]] = {name: [] for name in ARCHS}
+        runs: dict[str, list[float]] = {name: [] for name in names}
         code = ("import json, sys, torch; torch.set_num_threads(int(sys.argv[5])); sys.path.insert(0, sys.argv[1]); "
                 "import bench_archs as b; print(json.dumps(b.worker(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))))")
         env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))

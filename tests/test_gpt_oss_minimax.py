@@ -11,14 +11,11 @@ import shutil
 
 import pytest
 import torch
-from attention_cases import slot_table
 
 from mxfp4_checkpoint import make_mxfp4_checkpoint
 from oracle import hf_greedy, hf_model
-from rollout.batch.forward_batch import ForwardBatch
-from rollout.batch.kv_pool import KVPool
 from rollout.models import load_model
-from tiny_models import NEW_ARCHS, make_engine, random_prompts
+from tiny_models import NEW_ARCHS, make_engine, prefill_decode_logits, random_prompts
 
 GREEDY = {"temperature": 0.0, "max_new_tokens": 10, "ignore_eos": True}
 BUCKETS = dict(decode_graph_batch_sizes=(1, 2, 4), prefill_graph_token_sizes=(16, 32), chunked_prefill_size=48)
@@ -55,22 +52,6 @@ def assert_matches_hf(path, prompt, out):
     want = hf_routing(str(path), tuple(prompt) + tuple(out.output_ids[:-1]))
     got = torch.sort(out.routed_experts, dim=-1).values
     assert got.shape == want.shape and torch.equal(got, want)
-
-
-def prefill_decode_logits(model, seq: list[int]) -> torch.Tensor:
-    """All logits of seq run as two prefill chunks then three paged decode steps over a KV pool."""
-    info = model.info
-    pool = KVPool(num_slots=96, num_layers=info.num_hidden_layers, num_kv_heads=info.num_kv_heads,
-                  head_dim=info.head_dim, dtype=torch.float32)
-    slots = pool.alloc(len(seq))
-    n = len(seq)
-    cuts = (0, 9, n - 3, n - 2, n - 1, n)
-    got = []
-    for lo, hi in zip(cuts, cuts[1:]):
-        fb = ForwardBatch.build(input_ids=seq[lo:hi], out_cache_loc=slots[lo:hi], prefix_lens=[lo],
-                                extend_lens=[hi - lo], kv_indices=slot_table([slots[:hi]]), kv_pool=pool)
-        got.append(model(fb, return_all_logits=True))
-    return torch.cat(got)
 
 
 # ---- the model layer ---------------------------------------------------------------------------

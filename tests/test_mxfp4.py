@@ -9,9 +9,9 @@ import torch
 from safetensors import safe_open
 
 from mxfp4_checkpoint import GPT_OSS_MODULES_TO_NOT_CONVERT, make_float_gpt_oss_checkpoint, make_mxfp4_checkpoint
-from rollout.models.quant.mxfp4 import (E2M1_VALUES, MXFP4_SUFFIXES, QUANT_METHODS, check_quantization_config,
-                                        dequantize_checkpoint_tensor, dequantize_mxfp4, pair_mxfp4_names,
-                                        quantize_mxfp4)
+from rollout.models.quant.method import QUANT_METHODS, check_quantization_config
+from rollout.models.quant.mxfp4 import (E2M1_VALUES, MXFP4_SUFFIXES, dequantize_checkpoint_tensor, dequantize_mxfp4,
+                                        pair_mxfp4_names, quantize_mxfp4)
 
 _INT_OF = {torch.float64: torch.int64, torch.float32: torch.int32, torch.bfloat16: torch.int16,
            torch.float16: torch.int16}
@@ -150,8 +150,8 @@ def test_pair_names_and_quantization_config():
     assert check_quantization_config({"quantization_config": None}) is None
     cfg = {"quantization_config": {"quant_method": "mxfp4", "modules_to_not_convert": ["lm_head"]}}
     assert check_quantization_config(cfg) is QUANT_METHODS["mxfp4"]
-    with pytest.raises(ValueError, match=r"'fp8'.*supported: mxfp4"):
-        check_quantization_config({"quantization_config": {"quant_method": "fp8"}})
+    with pytest.raises(ValueError, match=r"'awq'.*supported: compressed-tensors, fp8, mxfp4"):
+        check_quantization_config({"quantization_config": {"quant_method": "awq"}})
     with pytest.raises(ValueError, match=r"None.*supported: mxfp4"):
         check_quantization_config({"quantization_config": {"bits": 4}})
     with pytest.raises(ValueError, match="quantization_config"):

@@ -61,7 +61,7 @@ class MoeCausalLM(nn.Module):
     hf_renames: tuple[tuple[str, str], ...] = ()
     exact = False   # lm_head through rollout.exact.linear (deterministic inference)
     # quantization_config.quant_method values its checkpoints may declare (rollout/models/quant/)
-    quantized_formats: tuple[str, ...] = ()
+    quantized_formats: tuple[str, ...] = ("fp8", "compressed-tensors")
 
     def __init__(self, spec: ModelSpec):
         super().__init__()
@@ -83,6 +83,17 @@ class MoeCausalLM(nn.Module):
     @classmethod
     def from_config(cls, cfg: dict, generation_config: dict | None = None) -> "MoeCausalLM":
         return cls(cls.spec_from_config(cfg, generation_config))
+
+    def quantize_fp8(self, scheme, modules: set[str] | None = None) -> None:
+        """Hold weights in FP8 (call on the unloaded (meta) model): the named modules (a checkpoint's
+        FP8 linears and experts), or with modules=None every linear but the lm_head and every
+        expert weight (online quantization). The routers are never quantized."""
+        from rollout.models.quant.fp8 import quantize_linears  # noqa: PLC0415
+
+        for name, module in self.named_modules():
+            if isinstance(module, FusedExperts) and (modules is None or name in modules):
+                module.quantize_fp8(scheme)
+        quantize_linears(self, scheme, modules)
 
     def shard_experts(self, rank: int, size: int) -> None:
         """Expert parallel: keep only rank `rank` of `size`'s share of every MoE layer's experts.

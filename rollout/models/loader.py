@@ -20,13 +20,15 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from rollout.models.quant.fp8 import FP8_DTYPE
 from rollout.models.quant.mxfp4 import dequantize_checkpoint_tensor, pair_mxfp4_names
 
-_PER_EXPERT = re.compile(r"^(.+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_PER_EXPERT = re.compile(r"^(.+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.(weight|weight_scale_inv|weight_scale)$")
 _FUSED = re.compile(r"^(.+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
 # NOTE: some old checkpoints carry non-persistent RoPE buffers; they hold no weights.
 _IGNORED = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+SCALE_PARAMS = ("weight_scale_inv", "weight_scale", "w13_scale_inv", "w2_scale_inv", "w13_scale", "w2_scale")
 _MAX_LISTED = 20
 
 
@@ -85,10 +87,11 @@ def resolve(model: nn.Module, hf_name: str) -> Target | None:
         if re.search(pattern, hf_name):
             return Target(name, transform=transform)
     if m := _PER_EXPERT.match(name):
-        prefix, e, proj = m.group(1), int(m.group(2)), m.group(3)
+        prefix, e, proj, kind = m.group(1), int(m.group(2)), m.group(3), m.group(4)
+        suffix = "" if kind == "weight" else "_" + kind.removeprefix("weight_")    # FP8 scales: w13_scale_inv, ...
         if proj == "down_proj":
-            return Target(f"{prefix}.w2", e)
-        return Target(f"{prefix}.w13", e, 0 if proj == "gate_proj" else 1)
+            return Target(f"{prefix}.w2{suffix}", e)
+        return Target(f"{prefix}.w13{suffix}", e, 0 if proj == "gate_proj" else 1)
     if m := _FUSED.match(name):
         return Target(f"{m.group(1)}.{'w13' if m.group(2) == 'gate_up_proj' else 'w2'}")
     return Target(name)
@@ -129,7 +132,7 @@ def _pieces(name: str, experts: tuple[int, int, int] | None,
     if experts is None:
         return {(None, None)}
     lo, hi, n = experts
-    halves = (0, 1) if name.endswith((".w13", ".b13")) else (None,)
+    halves = (0, 1) if name.endswith((".w13", ".b13", ".w13_scale_inv", ".w13_scale")) else (None,)
     return {(e, h) for e in (range(lo, hi) if held_only else range(n)) for h in halves}
 
 
@@ -186,6 +189,8 @@ def plan(model: nn.Module, shapes: dict[str, tuple[int, ...]], *, require_all: b
     missing = []
     if require_all:
         for name, p in params.items():
+            if name.rpartition(".")[2] in SCALE_PARAMS:
+                continue    # FP8 scales: from the checkpoint, or made when a float weight is quantized
             experts = _experts_of(model, name)
             for e, h in sorted(_pieces(name, experts) - covered.get(name, set()), key=str):
                 where = "" if e is None else f" expert {e}" + ("" if h is None else (" gate_proj", " up_proj")[h])
@@ -202,9 +207,37 @@ def plan(model: nn.Module, shapes: dict[str, tuple[int, ...]], *, require_all: b
 
 
 def copy_into(model: nn.Module, params: dict[str, torch.Tensor], t: Target, value: torch.Tensor) -> None:
-    """Copy one planned checkpoint tensor (already sliced to t.source_rows) into its parameter."""
+    """Copy one planned checkpoint tensor (already sliced to t.source_rows) into its parameter;
+    a float value for an FP8 weight is quantized by the weight's module (online FP8, weight updates)."""
     experts = _experts_of(model, t.param)
-    target_view(params[t.param], t, experts[0] if experts else 0).copy_(transformed(value, t))
+    lo = experts[0] if experts else 0
+    param, value = params[t.param], transformed(value, t)
+    if param.dtype == FP8_DTYPE and value.dtype != FP8_DTYPE:
+        owner, _, name = t.param.rpartition(".")
+        model.get_submodule(owner).write_float(name, t, value, lo)
+        return
+    if value.dtype == FP8_DTYPE and param.dtype != FP8_DTYPE:
+        raise ValueError(f"{t.param}: an FP8 tensor for a weight the model holds in {param.dtype} (its checkpoint "
+                         f"has no scale for it)")
+    target_view(param, t, lo).copy_(value)
+
+
+def fp8_modules(model: nn.Module, names) -> set[str]:
+    """The model's modules whose FP8 scales a checkpoint with these tensor names holds."""
+    out = set()
+    for hf_name in names:
+        if hf_name.endswith(("weight_scale_inv", "weight_scale")) and (t := resolve(model, hf_name)) is not None:
+            out.add(t.param.rpartition(".")[0])
+    return out
+
+
+def checkpoint_names(model_path: str | Path) -> list[str]:
+    """Every tensor name of a checkpoint directory (no tensor read)."""
+    names = []
+    for f in _checkpoint_files(model_path):
+        with safe_open(str(f), framework="pt") as st:
+            names.extend(st.keys())
+    return names
 
 
 def _checkpoint_files(model_path: str | Path) -> list[Path]:

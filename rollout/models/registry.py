@@ -8,6 +8,8 @@ from pathlib import Path
 
 import torch
 
+from rollout.models.quant.method import check_quantization_config
+
 # architectures[0] -> "module:Class" (imported lazily: the model modules import ModelInfo from here)
 _ARCHITECTURES = {
     "Qwen3MoeForCausalLM": "rollout.models.arch.qwen3_moe:Qwen3MoeForCausalLM",
@@ -81,7 +83,6 @@ def architecture_of(cfg: dict) -> str:
 
 def model_spec(cfg: dict, generation_config: dict | None):
     """The ModelSpec of a config.json: its architecture and weight format are supported, or ValueError."""
-    from rollout.models.quant.mxfp4 import check_quantization_config  # noqa: PLC0415  (the arch modules import this one)
 
     cls = model_class(architecture_of(cfg))
     method = check_quantization_config(cfg)
@@ -110,23 +111,40 @@ def resolve_dtype(dtype: torch.dtype | str, cfg: dict) -> torch.dtype:
     return dtype
 
 
+QUANTIZATIONS = ("fp8",)
+
+
 def load_model(model_path: str | Path, dtype: torch.dtype | str = "auto",
-               device: str | torch.device = "cpu", expert_shard: tuple[int, int] | None = None):
+               device: str | torch.device = "cpu", expert_shard: tuple[int, int] | None = None,
+               quantization: str | None = None):
     """Build the model for model_path's architecture and load its safetensors weights.
 
     expert_shard: (rank, size) to hold and load only that rank's experts (expert parallel).
+    quantization: "fp8" quantizes a float checkpoint's linear and expert weights as they load
+    (quant/fp8.py); an FP8 checkpoint is held in FP8 without it.
     Returns (model in eval mode, config.json as a dict).
     """
-    from rollout.models.loader import load_checkpoint
+    from rollout.models.loader import checkpoint_names, fp8_modules, load_checkpoint  # noqa: PLC0415
+    from rollout.models.quant import fp8  # noqa: PLC0415
 
+    if quantization not in (None, *QUANTIZATIONS):
+        raise ValueError(f"quantization must be one of {QUANTIZATIONS} or None, got {quantization!r}")
     cfg, gen = read_config(model_path)
     dtype = resolve_dtype(dtype, cfg)
     cls = model_class(architecture_of(cfg))
     spec = model_spec(cfg, gen)
+    scheme = fp8.scheme_from_config(cfg)
+    if quantization == "fp8" and scheme is None and cfg.get("quantization_config") is not None:
+        raise ValueError(f"quantization='fp8' needs a float checkpoint; {model_path} is already quantized "
+                         f"({cfg['quantization_config'].get('quant_method')!r})")
     # NOTE: parameters are created on the meta device (no random init) and then materialised;
     # load_checkpoint overwrites every one of them or raises.
     with torch.device("meta"):
         model = cls(spec).to(dtype)
+        if scheme is not None:                       # an FP8 checkpoint: FP8 where it holds scales
+            model.quantize_fp8(scheme, fp8_modules(model, checkpoint_names(model_path)))
+        elif quantization == "fp8":
+            model.quantize_fp8(fp8.ONLINE)
         if expert_shard is not None:
             model.shard_experts(*expert_shard)
     model = model.to_empty(device=torch.device(device))

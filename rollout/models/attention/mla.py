@@ -17,6 +17,7 @@ from rollout import exact as exact_ops
 from rollout.batch.forward_batch import ForwardBatch
 from rollout.models.attention.latent import LatentAttention
 from rollout.models.layers import RMSNorm, RotaryEmbedding
+from rollout.models.quant.fp8 import dense_weight
 from rollout.models.spec import ModelSpec
 
 
@@ -55,7 +56,8 @@ class MLASelfAttention(nn.Module):
 
     def _w_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
         """W_UK [H, nope, R] and W_UV [H, v, R] (views of kv_b_proj.weight)."""
-        w = self.kv_b_proj.weight.view(self.num_heads, self.nope + self.v_dim, self.rank)
+        w = dense_weight(self.kv_b_proj, self.kv_a_layernorm.weight.dtype).view(self.num_heads, self.nope + self.v_dim,
+                                                                                self.rank)
         return w[:, :self.nope], w[:, self.nope:]
 
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:

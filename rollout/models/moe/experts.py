@@ -7,6 +7,12 @@ Every implementation computes, for each (token, expert) pair the router chose,
 and adds the k pairs of a token. act is SwiGLU (silu(gate) * up) or gpt-oss's clamped SwiGLU
 (swiglu_limit set): gate.clamp(max=limit) * sigmoid(alpha * gate.clamp(max=limit)) *
 (up.clamp(-limit, limit) + 1). The biases exist only when the architecture has them (gpt-oss).
+
+FP8 (`quantize_fp8`, before loading): w13 / w2 are held in float8_e4m3fn with their scales
+(`w13_scale_inv` [E, 2 x ceil(I / b0), ceil(H / b1)] and `w2_scale_inv` for block scales, the gate
+and up halves each on their own block grid as the checkpoint's gate_proj / up_proj; `w13_scale`
+[E, 2I, 1] / `w2_scale` [E, H, 1] per channel), and dequantized into the compute dtype for the
+experts a forward runs (W8A16).
 """
 from __future__ import annotations
 
@@ -15,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rollout import exact as exact_ops
+from rollout.models.quant.fp8 import FP8_DTYPE, Fp8Scheme, dequantize, quantize
 
 
 class FusedExperts(nn.Module):
@@ -38,6 +45,71 @@ class FusedExperts(nn.Module):
         self.b2 = nn.Parameter(torch.empty(num_experts, hidden_size)) if bias else None
         self.swiglu_limit = swiglu_limit
         self.swiglu_alpha = swiglu_alpha
+        self.fp8: Fp8Scheme | None = None
+
+    SCALED = ("w13", "w2")
+
+    def quantize_fp8(self, scheme: Fp8Scheme) -> None:
+        """Hold w13 / w2 in FP8 with scales of `scheme` (call before the weights are loaded)."""
+        if scheme.granularity == "tensor":
+            raise ValueError("FP8 experts with one scale per tensor are not supported (block or channel scales)")
+        for name in self.SCALED:
+            w = getattr(self, name)
+            e, out, inp = w.shape
+            halves = 2 if name == "w13" else 1
+            shape = scheme.scale_shape(out // halves, inp)
+            setattr(self, name, nn.Parameter(w.new_empty(w.shape, dtype=FP8_DTYPE), requires_grad=False))
+            self.register_parameter(f"{name}_{scheme.scale_name.removeprefix('weight_')}", nn.Parameter(
+                w.new_empty((e, shape[0] * halves, *shape[1:]), dtype=torch.float32), requires_grad=False))
+        self.fp8 = scheme
+
+    def scale_of(self, name: str) -> torch.Tensor:
+        return getattr(self, f"{name}_{self.fp8.scale_name.removeprefix('weight_')}")
+
+    def _apply(self, fn, recurse=True):
+        # NOTE: model.to(dtype) must leave FP8 weights and their fp32 scales as they are
+        super()._apply(fn, recurse)
+        if self.fp8 is not None:
+            for name in self.SCALED:
+                for p, want in ((getattr(self, name), FP8_DTYPE), (self.scale_of(name), torch.float32)):
+                    if p.dtype != want:
+                        p.data = p.data.to(want)
+        return self
+
+    def _dense(self, name: str, first: int, num: int, dtype: torch.dtype) -> torch.Tensor:
+        """w13 or w2 of held experts [first, first + num) in dtype (dequantized when FP8)."""
+        w = getattr(self, name)[first:first + num]
+        if self.fp8 is None:
+            return w
+        scale = self.scale_of(name)[first:first + num]
+        if name == "w2":
+            return dequantize(w, scale, self.fp8, dtype)
+        half, rows = w.shape[1] // 2, scale.shape[1] // 2       # gate and up: each its own block grid
+        return torch.cat((dequantize(w[:, :half], scale[:, :rows], self.fp8, dtype),
+                          dequantize(w[:, half:], scale[:, rows:], self.fp8, dtype)), dim=1)
+
+    @torch.no_grad()
+    def write_float(self, name: str, target, value: torch.Tensor, expert_lo: int = 0) -> None:
+        """Quantizes float expert weights into the FP8 ones: `target` (loader.Target) says which
+        expert (None: the stacked held experts, value [E_held, out, in]) and which half of w13."""
+        assert self.fp8 is not None and name in self.SCALED, name
+        w, scale = getattr(self, name), self.scale_of(name)
+        experts = range(w.shape[0]) if target.expert is None else [target.expert - expert_lo]
+        values = value if target.expert is None else value[None]
+        halves = (target.half,) if target.half is not None else ((0, 1) if name == "w13" else (None,))
+        for i, v in zip(experts, values):
+            for h in halves:
+                part = v
+                rows_w, rows_s = w.shape[1], scale.shape[1]
+                lo_w = lo_s = 0
+                if h is not None:
+                    rows_w, rows_s = rows_w // 2, rows_s // 2
+                    lo_w, lo_s = h * rows_w, h * rows_s
+                    if target.half is None:
+                        part = v[lo_w:lo_w + rows_w]
+                q, sc = quantize(part, self.fp8)
+                w[i, lo_w:lo_w + rows_w].copy_(q)
+                scale[i, lo_s:lo_s + rows_s].copy_(sc)
 
     def _act(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         """The torch implementations' activation: SwiGLU, or the clamped form (swiglu_limit)."""
@@ -47,11 +119,14 @@ class FusedExperts(nn.Module):
         gate = gate.clamp(max=limit)
         return gate * torch.sigmoid(gate * self.swiglu_alpha) * (up.clamp(-limit, limit) + 1)
 
-    def _held(self, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """w13, w2, b13, b2 of the global experts [lo, hi) (views)."""
+    def _held(self, lo: int, hi: int, dtype: torch.dtype | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """w13, w2, b13, b2 of the global experts [lo, hi) (views; FP8 weights dequantized to dtype)."""
         first, num = lo - self.expert_lo, hi - lo
         narrow = (lambda t: None if t is None else t[first:first + num])
-        return narrow(self.w13), narrow(self.w2), narrow(self.b13), narrow(self.b2)
+        dtype = dtype or (self.b13.dtype if self.b13 is not None else torch.float32)
+        return (self._dense("w13", first, num, dtype), self._dense("w2", first, num, dtype),
+                narrow(self.b13), narrow(self.b2))
 
     def _bias_kw(self, b13: torch.Tensor | None, b2: torch.Tensor | None) -> dict:
         """The bias / activation arguments of the kernels and rollout.exact.fused_experts (none for
@@ -64,7 +139,9 @@ class FusedExperts(nn.Module):
         """Keep only experts [lo, hi) (call before the weights are loaded: the values are dropped)."""
         if not 0 <= lo <= hi <= self.num_experts:
             raise ValueError(f"expert shard [{lo}, {hi}) is outside [0, {self.num_experts})")
-        for name in ("w13", "w2", "b13", "b2"):
+        names = ("w13", "w2", "b13", "b2") + (() if self.fp8 is None else tuple(
+            f"{n}_{self.fp8.scale_name.removeprefix('weight_')}" for n in self.SCALED))
+        for name in names:
             old = getattr(self, name)
             if old is not None:
                 setattr(self, name, nn.Parameter(old.new_empty(hi - lo, *old.shape[1:]), requires_grad=old.requires_grad))
@@ -122,7 +199,7 @@ class FusedExperts(nn.Module):
         ends = torch.searchsorted(group[order], torch.arange(hi - lo, device=group.device), right=True,
                                   out_int32=True)                          # [E_range] int32
         token_of = order // k                                              # [N*K] token row
-        w13, w2, b13, b2 = self._held(lo, hi)
+        w13, w2, b13, b2 = self._held(lo, hi, x.dtype)
         # NOTE: rows past ends[-1] (other experts) are left undefined by grouped_mm: masked below
         h = F.grouped_mm(x.index_select(0, token_of), w13.transpose(1, 2), offs=ends)   # [N*K, 2I]
         if b13 is not None:
@@ -153,7 +230,7 @@ class FusedExperts(nn.Module):
         starts = torch.cumsum(counts, 0) - counts
         slot = sorted_group * cap + (torch.arange(rows, device=x.device) - starts.index_select(0, sorted_group))
         token_of = order // k                                              # [rows] token row
-        w13, w2, b13, b2 = self._held(lo, hi)
+        w13, w2, b13, b2 = self._held(lo, hi, x.dtype)
         padded = x.new_zeros(num * cap, x.shape[1]).index_copy_(0, slot, x.index_select(0, token_of))
         h = torch.bmm(padded.view(num, cap, -1), w13.transpose(1, 2))      # [E, cap, 2I]
         if b13 is not None:
@@ -182,8 +259,9 @@ class FusedExperts(nn.Module):
                 continue
             rows = token_of[start:start + cnt]
             i = e - self.expert_lo
-            gate, up = F.linear(x[rows], self.w13[i], None if self.b13 is None else self.b13[i]).chunk(2, dim=-1)
-            y = F.linear(self._act(gate, up), self.w2[i], None if self.b2 is None else self.b2[i])  # [cnt, H]
+            w13, w2 = self._dense("w13", i, 1, x.dtype)[0], self._dense("w2", i, 1, x.dtype)[0]
+            gate, up = F.linear(x[rows], w13, None if self.b13 is None else self.b13[i]).chunk(2, dim=-1)
+            y = F.linear(self._act(gate, up), w2, None if self.b2 is None else self.b2[i])  # [cnt, H]
             # NOTE: routing weight cast to the model dtype before the product, as HF Qwen/OLMoE do
             # (HF Mixtral multiplies in fp32 then casts; the two differ only by bf16 rounding).
             y = y * weight_of[start:start + cnt, None].to(y.dtype)
@@ -193,7 +271,7 @@ class FusedExperts(nn.Module):
 
     def _forward_exact(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                        lo: int, hi: int, per_slot: bool = False) -> torch.Tensor:
-        w13, w2, b13, b2 = self._held(lo, hi)
+        w13, w2, b13, b2 = self._held(lo, hi, x.dtype)
         return exact_ops.fused_experts(x, w13, w2, topk_weights, topk_ids, lo, per_slot=per_slot,
                                        **self._bias_kw(b13, b2))
 
@@ -201,7 +279,7 @@ class FusedExperts(nn.Module):
                               lo: int, hi: int, per_slot: bool = False) -> torch.Tensor:
         from rollout.models.kernels.fused_moe_exact import fused_moe_exact  # noqa: PLC0415  (triton only when chosen)
 
-        w13, w2, b13, b2 = self._held(lo, hi)
+        w13, w2, b13, b2 = self._held(lo, hi, x.dtype)
         return fused_moe_exact(x, w13, w2, topk_weights, topk_ids, lo, per_slot=per_slot, **self._bias_kw(b13, b2))
 
     def exact_terms(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
@@ -215,7 +293,7 @@ class FusedExperts(nn.Module):
                         lo: int, hi: int) -> torch.Tensor:
         from rollout.models.kernels.fused_moe import fused_moe  # noqa: PLC0415  (triton only when chosen)
 
-        w13, w2, b13, b2 = self._held(lo, hi)
+        w13, w2, b13, b2 = self._held(lo, hi, x.dtype)
         return fused_moe(x, w13, w2, topk_weights, topk_ids, lo, **self._bias_kw(b13, b2))
 
     def _forward_dense(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
@@ -224,7 +302,8 @@ class FusedExperts(nn.Module):
         for e in range(lo, hi):
             w = (topk_weights * (topk_ids == e)).sum(-1)                   # [N] float32, 0 if not picked
             i = e - self.expert_lo
-            gate, up = F.linear(x, self.w13[i], None if self.b13 is None else self.b13[i]).chunk(2, dim=-1)
-            y = F.linear(self._act(gate, up), self.w2[i], None if self.b2 is None else self.b2[i])  # [N, H]
+            w13, w2 = self._dense("w13", i, 1, x.dtype)[0], self._dense("w2", i, 1, x.dtype)[0]
+            gate, up = F.linear(x, w13, None if self.b13 is None else self.b13[i]).chunk(2, dim=-1)
+            y = F.linear(self._act(gate, up), w2, None if self.b2 is None else self.b2[i])  # [N, H]
             out = out + y * w[:, None].to(y.dtype)
         return out

@@ -14,8 +14,7 @@ quantized.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Iterable, Optional
+from typing import Iterable
 
 import torch
 from torch import Tensor
@@ -158,31 +157,3 @@ def pair_mxfp4_names(names: Iterable[str]) -> dict[str, tuple[str, str]]:
     if unpaired:
         raise ValueError("MXFP4 tensors without their pair: " + ", ".join(unpaired))
     return pairs
-
-
-@dataclass(frozen=True)
-class QuantMethod:
-    """A checkpoint quantization this engine loads: its config name and what it quantizes."""
-    name: str
-    description: str
-
-
-# Add a row to support another `quantization_config.quant_method` (e.g. "fp8").
-QUANT_METHODS: dict[str, QuantMethod] = {
-    "mxfp4": QuantMethod("mxfp4", "OCP MX FP4 expert weights with E8M0 scales per 32 (gpt-oss)"),
-}
-
-
-def check_quantization_config(cfg: dict) -> Optional[QuantMethod]:
-    """The QuantMethod a model config (config.json as a dict) declares in `quantization_config`,
-    None when it has none; ValueError naming an unsupported `quant_method` and the supported ones."""
-    qc = cfg.get("quantization_config")
-    if qc is None:
-        return None
-    if not isinstance(qc, dict):
-        raise ValueError(f"quantization_config must be a mapping with a quant_method, got {qc!r}")
-    method = qc.get("quant_method")
-    if method not in QUANT_METHODS:
-        raise ValueError(f"quantization_config.quant_method {method!r} is not supported; "
-                         f"supported: {', '.join(sorted(QUANT_METHODS))}")
-    return QUANT_METHODS[method]

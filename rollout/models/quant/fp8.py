@@ -1,0 +1,213 @@
+"""FP8 (float8_e4m3fn) weights: the schemes checkpoints declare, quantize / dequantize, and
+Fp8Linear, a linear layer that holds its weight in FP8 with its scales.
+
+Schemes (`quantization_config`):
+- `quant_method: "fp8"` with `weight_block_size: [b0, b1]` (DeepSeek-V3, Kimi-K2, GLM-4.5,
+  MiniMax-M2, the Qwen3 FP8 releases): `X.weight` FP8 [out, in] and `X.weight_scale_inv` fp32
+  [ceil(out / b0), ceil(in / b1)]; the float weight is `weight * weight_scale_inv` per block.
+- `quant_method: "compressed-tensors"`, format `float-quantized` (RedHat's FP8 releases): weights
+  of strategy `channel` (`X.weight_scale` [out, 1]), `tensor` ([1]) or `block`.
+Activations are dynamic in every supported scheme (static input scales are refused by name).
+Which modules are FP8 follows the checkpoint: a linear is FP8 when the checkpoint holds its scale.
+Online quantization (`quantization="fp8"` on a float checkpoint) uses blocks of 128 x 128 for
+every linear and expert weight but the router, the norms, the embeddings and the lm_head.
+
+Numerics: on every device the weight is dequantized into the compute dtype and multiplied
+(W8A16); the weights stay in FP8 in memory (half of bf16's bytes).
+"""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from rollout import exact as exact_ops
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0                       # the largest finite float8_e4m3fn
+ONLINE_BLOCK = (128, 128)
+GRANULARITIES = ("block", "channel", "tensor")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Fp8Scheme:
+    granularity: str                  # "block" | "channel" | "tensor"
+    block: tuple[int, int] | None = None
+    ignore: tuple[str, ...] = ()      # module names ("re:" prefix: a regex) never quantized
+
+    def __post_init__(self):
+        if self.granularity not in GRANULARITIES:
+            raise ValueError(f"FP8 weight strategy must be one of {GRANULARITIES}, got {self.granularity!r}")
+        if (self.granularity == "block") != (self.block is not None):
+            raise ValueError("FP8 block scales need a block size (weight_block_size), and only they do")
+        if self.block is not None and (len(self.block) != 2 or min(self.block) < 1):
+            raise ValueError(f"weight_block_size must be two positive integers, got {list(self.block)}")
+
+    @property
+    def scale_name(self) -> str:
+        return "weight_scale_inv" if self.granularity == "block" else "weight_scale"
+
+    def scale_shape(self, out: int, inp: int) -> tuple[int, ...]:
+        if self.granularity == "block":
+            return (math.ceil(out / self.block[0]), math.ceil(inp / self.block[1]))
+        return (out, 1) if self.granularity == "channel" else (1,)
+
+    def ignored(self, module_name: str) -> bool:
+        for pattern in self.ignore:
+            if pattern.startswith("re:"):
+                if re.fullmatch(pattern[3:], module_name):
+                    return True
+            elif module_name == pattern or module_name.endswith("." + pattern) or pattern.endswith("." + module_name):
+                return True
+        return False
+
+
+ONLINE = Fp8Scheme(granularity="block", block=ONLINE_BLOCK)
+
+
+def scheme_from_config(cfg: dict) -> Fp8Scheme | None:
+    """The FP8 scheme a config.json declares (None: not an FP8 checkpoint); ValueError naming
+    what is not supported."""
+    qc = cfg.get("quantization_config")
+    if not isinstance(qc, dict):
+        return None
+    method = qc.get("quant_method")
+    if method == "fp8":
+        if qc.get("fmt", "e4m3") != "e4m3":
+            raise ValueError(f"quantization_config.fmt {qc['fmt']!r} is not supported (only 'e4m3')")
+        if qc.get("activation_scheme", "dynamic") != "dynamic":
+            raise ValueError(f"quantization_config.activation_scheme {qc['activation_scheme']!r} is not "
+                             f"supported (only 'dynamic')")
+        block = qc.get("weight_block_size")
+        ignore = tuple(qc.get("modules_to_not_convert") or qc.get("ignored_layers") or ())
+        if block is None:
+            return Fp8Scheme(granularity="tensor", ignore=ignore)
+        return Fp8Scheme(granularity="block", block=tuple(int(b) for b in block), ignore=ignore)
+    if method == "compressed-tensors":
+        fmt = qc.get("format")
+        if fmt != "float-quantized":
+            raise ValueError(f"compressed-tensors format {fmt!r} is not supported (only 'float-quantized': FP8)")
+        groups = list((qc.get("config_groups") or {}).values())
+        if len(groups) != 1:
+            raise ValueError(f"compressed-tensors: exactly one config group is supported, got {len(groups)}")
+        weights, acts = groups[0].get("weights") or {}, groups[0].get("input_activations")
+        if weights.get("num_bits") != 8 or weights.get("type") != "float":
+            raise ValueError(f"compressed-tensors weights must be 8-bit float, got {weights}")
+        if acts is not None and not acts.get("dynamic", False):
+            raise ValueError("compressed-tensors static input activation scales are not supported (only dynamic)")
+        strategy = weights.get("strategy", "tensor")
+        block = weights.get("block_structure") if strategy == "block" else None
+        return Fp8Scheme(granularity=strategy, block=tuple(block) if block else None,
+                         ignore=tuple(qc.get("ignore") or ()))
+    return None
+
+
+def _expand(scale: torch.Tensor, shape: tuple[int, int], scheme: Fp8Scheme) -> torch.Tensor:
+    """scale broadcast to a weight of shape [out, in] (fp32)."""
+    if scheme.granularity != "block":
+        return scale.float()
+    b0, b1 = scheme.block
+    return scale.float().repeat_interleave(b0, 0)[:shape[0]].repeat_interleave(b1, 1)[:, :shape[1]]
+
+
+def dequantize(weight: torch.Tensor, scale: torch.Tensor, scheme: Fp8Scheme,
+               dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """FP8 weight [..., out, in] with its scales -> the float weight in dtype (weight x scale in fp32)."""
+    if weight.dim() > 2:
+        return torch.stack([dequantize(w, s, scheme, dtype) for w, s in zip(weight, scale)])
+    return (weight.float() * _expand(scale, tuple(weight.shape), scheme)).to(dtype)
+
+
+def quantize(weight: torch.Tensor, scheme: Fp8Scheme) -> tuple[torch.Tensor, torch.Tensor]:
+    """A float weight [out, in] -> (FP8 weight, fp32 scale): each block's (row's, tensor's) scale
+    is its amax / 448 (1 for an all-zero block), the values rounded to nearest in float8_e4m3fn."""
+    if not torch.isfinite(weight).all():
+        raise ValueError("cannot quantize a weight with NaN or infinite values to FP8")
+    w = weight.float()
+    out, inp = w.shape
+    if scheme.granularity == "block":
+        b0, b1 = scheme.block
+        rows, cols = math.ceil(out / b0), math.ceil(inp / b1)
+        padded = F.pad(w.abs(), (0, cols * b1 - inp, 0, rows * b0 - out))
+        amax = padded.view(rows, b0, cols, b1).amax(dim=(1, 3))                 # [rows, cols]
+    elif scheme.granularity == "channel":
+        amax = w.abs().amax(dim=1, keepdim=True)                                # [out, 1]
+    else:
+        amax = w.abs().amax().reshape(1)                                        # [1]
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    q = (w / _expand(scale, (out, inp), scheme)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return q, scale
+
+
+class Fp8Linear(nn.Module):
+    """A linear layer whose weight is FP8 [out, in] with its scale (`weight_scale_inv` for block
+    scales, else `weight_scale`); the bias, if any, in the model's dtype. Same HF names as the
+    nn.Linear it replaces, plus the scale."""
+
+    exact = False   # rollout.exact.linear (deterministic inference)
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, scheme: Fp8Scheme,
+                 dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.in_features, self.out_features, self.scheme = in_features, out_features, scheme
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=FP8_DTYPE), requires_grad=False)
+        self.register_parameter(scheme.scale_name, nn.Parameter(
+            torch.empty(scheme.scale_shape(out_features, in_features), dtype=torch.float32), requires_grad=False))
+        self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype)) if bias else None
+
+    @property
+    def scale(self) -> torch.Tensor:
+        return getattr(self, self.scheme.scale_name)
+
+    def _apply(self, fn, recurse=True):
+        # NOTE: model.to(dtype) must leave the FP8 weight and its fp32 scale as they are
+        super()._apply(fn, recurse)
+        if self.weight.dtype != FP8_DTYPE:
+            self.weight.data = self.weight.data.to(FP8_DTYPE)
+        if self.scale.dtype != torch.float32:
+            self.scale.data = self.scale.data.float()
+        return self
+
+    def dense_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        return dequantize(self.weight, self.scale, self.scheme, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.dense_weight(x.dtype)
+        return (exact_ops.linear if self.exact else F.linear)(x, w, self.bias)
+
+    @torch.no_grad()
+    def write_float(self, name: str, target, value: torch.Tensor, expert_lo: int = 0) -> None:
+        """Quantizes a float weight [out, in] into this layer (a weight update or online quantization)."""
+        assert name == "weight", name
+        q, scale = quantize(value, self.scheme)
+        self.weight.copy_(q)
+        self.scale.copy_(scale)
+
+
+def dense_weight(linear: nn.Module, dtype: torch.dtype) -> torch.Tensor:
+    """A linear layer's weight in dtype, dequantized when it is FP8 (for code that reads weights)."""
+    return linear.dense_weight(dtype) if isinstance(linear, Fp8Linear) else linear.weight
+
+
+def quantize_linears(model: nn.Module, scheme: Fp8Scheme, names: set[str] | None = None) -> int:
+    """Replaces (on the meta device, before loading) the nn.Linear modules of model by Fp8Linear:
+    those in `names` (a checkpoint's FP8 modules), or with names=None every one but the lm_head
+    and the scheme's ignored ones (online quantization). Returns how many."""
+    count = 0
+    for parent_name, parent in list(model.named_modules()):
+        for child_name, child in list(parent.named_children()):
+            full = f"{parent_name}.{child_name}" if parent_name else child_name
+            if type(child) is not nn.Linear:
+                continue
+            if names is not None and full not in names:
+                continue
+            if names is None and (full == "lm_head" or scheme.ignored(full) or child.out_features < 2):
+                continue
+            setattr(parent, child_name, Fp8Linear(child.in_features, child.out_features, child.bias is not None,
+                                                  scheme, dtype=child.weight.dtype).to(device=child.weight.device))
+            count += 1
+    return count
