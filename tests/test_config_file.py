@@ -14,7 +14,7 @@ import pytest
 
 from capture.buffer_sizing import capture_buffer_rows
 from rollout.config import DEFAULT_MODEL_PATH, EngineConfig
-from rollout.config.config_file import (ConfigFileError, implied_sizes, load_engine_config, load_engine_config_file,
+from rollout.config.config_file import (ConfigFileError, ModelShape, implied_sizes, load_engine_config, load_engine_config_file,
                                         serve_flags)
 from rollout.config.engine_cli import add_engine_arguments, engine_config_from_args, engine_flags
 from rollout.config.flag import flag_of
@@ -269,3 +269,26 @@ def test_flags_command_and_no_import_cycle():
         r = subprocess.run([sys.executable, "-c", f"import {module}"], cwd=ROOT, env=env, capture_output=True,
                            text=True, timeout=60)
         assert r.returncode == 0, (module, r.stderr)
+
+
+@pytest.mark.parametrize("preset,config", [
+    ("gpt-oss-20b.yaml", ("GptOssConfig", dict(num_hidden_layers=24, num_local_experts=32))),
+    ("gpt-oss-120b.yaml", ("GptOssConfig", {})),       # transformers' defaults are gpt-oss-120b's
+    ("minimax-m2.yaml", ("MiniMaxM2Config", {})),       # and MiniMax-M2's
+])
+def test_new_architecture_presets_match_their_configs(preset, config):
+    """The preset's model_shape is what the architecture's own config.json implies (the same rule:
+    capture/routing_shape.py), and the engine's spec reads that config the same way."""
+    import transformers
+
+    from rollout.models.registry import model_spec
+
+    name, kw = config
+    hf = getattr(transformers, name)(**kw).to_dict()
+    hf["architectures"] = [name.replace("Config", "ForCausalLM")]
+    shape = load_engine_config_file(str(ROOT / "configs" / "engine" / preset)).model_shape
+    assert shape == ModelShape.from_dict(hf, "config.json")
+    spec = model_spec(hf, None)
+    assert (spec.num_hidden_layers, spec.num_experts, spec.top_k, spec.moe_layer_ids) == \
+        (shape.num_hidden_layers, shape.num_experts, shape.num_experts_per_tok, shape.moe_layer_ids)
+    assert (spec.num_kv_heads, spec.head_dim) == (shape.num_key_value_heads, shape.head_dim)

@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from tiny_models import ARCHS, GROUPED_ARCHS, make_engine, random_prompts
+from tiny_models import ARCHS, GROUPED_ARCHS, NEW_ARCHS, make_engine, random_prompts
 
 TARGET = {"temperature": 0.8, "top_p": 0.95, "max_new_tokens": 12, "ignore_eos": True, "sampling_seed": 7,
           "logprob_mode": "raw"}
@@ -66,7 +66,7 @@ def _arrivals(seed: int, lo: int, hi: int) -> list[tuple[int, int, int]]:
 
 # NOTE: one architecture by default (~15-60 s on 2 cores, with the host load); the others, and dp 2, under slow
 @pytest.mark.parametrize("arch", [a if a == "qwen3_moe" else pytest.param(a, marks=pytest.mark.slow)
-                                  for a in ARCHS + GROUPED_ARCHS])
+                                  for a in ARCHS + GROUPED_ARCHS + NEW_ARCHS])
 def test_request_is_batch_invariant(tiny_checkpoint, arch):
     check_batch_invariance(tiny_checkpoint(arch))
 
@@ -143,7 +143,7 @@ BUCKETS = dict(decode_graph_batch_sizes=(1, 2, 4), prefill_graph_token_sizes=(16
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3"])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3", "gpt_oss", "minimax_m2"])
 def test_dp_ranks_static_runners_and_streaming_agree(tiny_checkpoint, arch):
     """dp 2 with expert parallelism, static-bucket runners, streamed: the same bits as one eager
     rank holding every expert (the ranks' expert terms are added per top-k slot)."""

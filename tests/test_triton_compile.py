@@ -20,7 +20,11 @@ ROUTER_VARIANTS = {
                     TOP_K=4, BLOCK_K=4, BLOCK_M=64, HAS_CAPTURE=True),
     "grouped_sigmoid": dict(SIGMOID=True, RENORMALIZE=True, N_GROUP=8, TOPK_GROUP=4, GROUP_SIZE=32, BLOCK_G=8,
                             BLOCK_E=256, TOP_K=8, BLOCK_K=8, BLOCK_M=16, HAS_CAPTURE=True),
+    "topk_softmax": dict(SIGMOID=False, RENORMALIZE=False, N_GROUP=1, TOPK_GROUP=1, GROUP_SIZE=32, BLOCK_G=1,
+                         BLOCK_E=32, TOP_K=4, BLOCK_K=4, BLOCK_M=64, HAS_CAPTURE=True, SOFTMAX_AFTER=True),
 }
+# the fused MoE kernels: default, and gpt-oss's (biases, clamped SwiGLU)
+MOE_VARIANTS = {"": {}, "/gpt_oss": dict(HAS_BIAS=True, CLAMPED=True)}
 
 
 def compile_all() -> list[str]:
@@ -29,6 +33,7 @@ def compile_all() -> list[str]:
     from triton.compiler import ASTSource
 
     from rollout.models.kernels.fused_moe import _w2_kernel, _w13_kernel
+    from rollout.models.kernels.fused_moe_exact import _w2_terms_kernel
     from rollout.models.kernels.topk import _router_kernel
 
     target = GPUTarget("cuda", 90, 32)
@@ -51,13 +56,21 @@ def compile_all() -> list[str]:
             build(_router_kernel, {k: v.format(dtype=dtype) for k, v in ROUTER_SIG.items()}, const,
                   f"router/{name}/{dtype}")
         ieee = dtype == "fp32"
-        for fn, tensors in ((_w13_kernel, ("x_ptr", "w_ptr", "h_ptr")), (_w2_kernel, ("h_ptr", "w_ptr"))):
+        for fn, tensors in ((_w13_kernel, ("x_ptr", "w_ptr", "h_ptr", "b_ptr")),
+                            (_w2_kernel, ("h_ptr", "w_ptr", "b_ptr")),
+                            (_w2_terms_kernel, ("h_ptr", "w_ptr", "terms_ptr", "b_ptr"))):
             sig = {n: f"*{dtype}" for n in tensors}
-            sig.update({"pairs_ptr": "*i32", "block_expert_ptr": "*i32", "out_ptr": "*fp32", "weights_ptr": "*fp32"})
+            sig.update({"pairs_ptr": "*i32", "block_expert_ptr": "*i32", "out_ptr": "*fp32", "weights_ptr": "*fp32",
+                        "limit": "fp32", "alpha": "fp32"})
             sig.update({n: "i32" for n in fn.arg_names if n.startswith("stride")
                         or n in ("num_pairs", "top_k", "hidden", "inter")})
-            build(fn, sig, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=32 if ieee else 64, IEEE=ieee),
-                  f"{fn.__name__}/{dtype}", has_atomics=fn is _w2_kernel)
+            for suffix, flags in MOE_VARIANTS.items():
+                if fn is not _w13_kernel:
+                    flags = {k: v for k, v in flags.items() if k != "CLAMPED"}
+                if fn is _w2_terms_kernel:
+                    flags = dict(flags, ROWWISE=False)
+                build(fn, sig, dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=32 if ieee else 64, IEEE=ieee, **flags),
+                      f"{fn.__name__}{suffix}/{dtype}", has_atomics=fn is _w2_kernel)
     return done
 
 
@@ -71,7 +84,9 @@ def test_kernels_compile_for_sm90():
                           timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     assert proc.stdout.split() == [f"{k}/{d}" for d in ("fp32", "bf16")
-                                   for k in ("router/softmax", "router/grouped_sigmoid", "_w13_kernel", "_w2_kernel")]
+                                   for k in ("router/softmax", "router/grouped_sigmoid", "router/topk_softmax",
+                                             "_w13_kernel", "_w13_kernel/gpt_oss", "_w2_kernel", "_w2_kernel/gpt_oss",
+                                             "_w2_terms_kernel", "_w2_terms_kernel/gpt_oss")]
 
 
 if __name__ == "__main__":

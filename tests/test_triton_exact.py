@@ -42,24 +42,32 @@ def assert_close_fp32(out, ref):
     assert (out - ref).abs().max().item() <= tol, ((out - ref).abs().max().item(), tol)
 
 
-def _check_invariance(device, dtype, sizes=(1, 7, 33, 100)):
+def gpt_oss_biases(seed, device="cpu", dtype=torch.float32, scale=1.0):
+    """b13 [E, 2I], b2 [E, H] and a small swiglu_limit, so the clamps engage."""
+    g = torch.Generator().manual_seed(seed)
+    return dict(b13=(torch.randn(EXPERTS, 2 * INTER, generator=g) * scale).to(device, dtype),
+                b2=torch.randn(EXPERTS, HIDDEN, generator=g).to(device, dtype), swiglu_limit=1.5, swiglu_alpha=1.702)
+
+
+def _check_invariance(device, dtype, sizes=(1, 7, 33, 100), gpt_oss=False):
     w13, w2 = weights(0, device, dtype)
+    kw = gpt_oss_biases(0, device, dtype) if gpt_oss else {}
     x, w, ids = routed(max(sizes), 1, device, dtype)
-    full = fused_moe_exact(x, w13, w2, w, ids, 0)                                   # [100, H]
+    full = fused_moe_exact(x, w13, w2, w, ids, 0, **kw)                             # [100, H]
     for n in sizes:
         for start in sorted({0, (max(sizes) - n) // 2, max(sizes) - n}):
             rows = slice(start, start + n)
-            assert torch.equal(fused_moe_exact(x[rows], w13, w2, w[rows], ids[rows], 0), full[rows]), (n, start)
+            assert torch.equal(fused_moe_exact(x[rows], w13, w2, w[rows], ids[rows], 0, **kw), full[rows]), (n, start)
     # one row alone vs inside batches where it sits at every place of its expert's block
     for target in (0, 57, 99):
-        alone = fused_moe_exact(x[target:target + 1], w13, w2, w[target:target + 1], ids[target:target + 1], 0)
+        alone = fused_moe_exact(x[target:target + 1], w13, w2, w[target:target + 1], ids[target:target + 1], 0, **kw)
         assert torch.equal(alone, full[target:target + 1])
         for place in (0, 5, EXACT_BLOCK_M - 1, EXACT_BLOCK_M + 3):
             others = routed(place + 9, 100 + place, device, dtype)
             others[2][:] = ids[target]                                              # the same experts
             bx, bw, bids = (torch.cat([o[:place], t[target:target + 1], o[place:]])
                             for o, t in zip(others, (x, w, ids)))
-            out = fused_moe_exact(bx, w13, w2, bw, bids, 0)
+            out = fused_moe_exact(bx, w13, w2, bw, bids, 0, **kw)
             assert torch.equal(out[place:place + 1], alone), (target, place)
 
 
@@ -123,6 +131,47 @@ def test_empty_batch_and_no_experts_held():
 
 
 @pytest.mark.interpreter
+def test_a_row_is_the_same_bits_in_any_batch_with_biases_and_clamped_swiglu():
+    _check_invariance("cpu", torch.float32, gpt_oss=True)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("n,hidden,inter,experts,top_k,limit,scale", [
+    (1, 48, 40, 6, 3, 7.0, 1.0), (37, 48, 40, 6, 3, 1.5, 1.0), (20, 300, 24, 5, 2, 7.0, 6.0)])
+def test_with_biases_and_clamped_swiglu_matches_hf_and_the_torch_exact_experts(n, hidden, inter, experts, top_k,
+                                                                                limit, scale):
+    """Against transformers' GptOssExperts in float64 (tests/test_expert_bias.py), and close to
+    rollout.exact.fused_experts with the same arguments (summed and per slot)."""
+    from test_expert_bias import assert_clamps_engage, assert_close_to, gpt_oss_case, routed as gpt_oss_routed
+
+    case = gpt_oss_case(hidden, inter, experts, seed=n, limit=limit, scale=scale)
+    x, w, ids = gpt_oss_routed(n, hidden, experts, top_k, seed=n + 1)
+    if n > 1:
+        assert_clamps_engage(case, x)
+    out = fused_moe_exact(x, case.w13, case.w2, w, ids, 0, **case.kwargs)
+    assert_close_to(out, case.reference(x, w, ids))
+    assert_close_fp32(out, fused_experts(x, case.w13, case.w2, w, ids, **case.kwargs))
+    assert_close_fp32(fused_moe_exact(x, case.w13, case.w2, w, ids, 0, per_slot=True, **case.kwargs),
+                      fused_experts(x, case.w13, case.w2, w, ids, per_slot=True, **case.kwargs))
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_expert_parallel_terms_with_biases_add_up_to_the_whole_bitwise(ranks):
+    w13, w2 = weights(4)
+    kw = gpt_oss_biases(4, scale=2.0)
+    x, w, ids = routed(21, 5)
+    bounds = [EXPERTS * r // ranks for r in range(ranks + 1)]
+    parts = [fused_moe_exact(x, w13[lo:hi], w2[lo:hi], w, ids, lo, per_slot=True,
+                             **dict(kw, b13=kw["b13"][lo:hi], b2=kw["b2"][lo:hi]))
+             for lo, hi in zip(bounds, bounds[1:])]
+    total = parts[0]
+    for part in parts[1:]:
+        total = total + part                                                        # one nonzero term per slot
+    assert torch.equal(sum_slots(total), fused_moe_exact(x, w13, w2, w, ids, 0, **kw))
+
+
+@pytest.mark.interpreter
 def test_the_deterministic_triton_backend_runs_it():
     """An exact SparseMoE on the triton backend: experts by fused_moe_exact, routing by the torch rule."""
     moe = SparseMoE(layer_id=0, hidden_size=HIDDEN, intermediate_size=INTER, num_experts=EXPERTS, top_k=TOP_K,
@@ -166,6 +215,23 @@ def test_gpu_a_row_is_the_same_bits_in_any_batch(dtype):
     ref = fused_experts(x.double(), w13.double(), w2.double(), w, ids).to(dtype)
     tol = (FP32_TOL if dtype == torch.float32 else 3e-2) * (1 + ref.abs().max().item())
     assert (fused_moe_exact(x, w13, w2, w, ids, 0) - ref).abs().max().item() <= tol
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_a_row_is_the_same_bits_in_any_batch_with_biases_and_clamped_swiglu(dtype):
+    _check_invariance("cuda", dtype, sizes=(1, 7, 33, 100, 1000), gpt_oss=True)
+    from test_expert_bias import gpt_oss_case, routed as gpt_oss_routed
+
+    dev = gpt_oss_case(2880, 2880, 8, seed=0, limit=7.0, scale=6.0).rounded(dtype, "cuda")
+    x, w, ids = gpt_oss_routed(64, 2880, 8, 4, seed=1)
+    x = x.to(dtype)
+    ref = dev.reference(x, w, ids)
+    tol = (FP32_TOL if dtype == torch.float32 else 3e-2) * (1 + ref.abs().max().item())
+    out = fused_moe_exact(x.cuda(), dev.w13, dev.w2, w.cuda(), ids.cuda(), 0, **dev.kwargs)
+    assert (out.double().cpu() - ref).abs().max().item() <= tol
+    alone = fused_moe_exact(x[5:6].cuda(), dev.w13, dev.w2, w[5:6].cuda(), ids[5:6].cuda(), 0, **dev.kwargs)
+    assert torch.equal(alone, out[5:6])
 
 
 @pytest.mark.gpu

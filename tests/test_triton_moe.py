@@ -174,3 +174,58 @@ def test_gpu_fused_moe_inside_cuda_graph_at_the_prefill_bucket_size():
     """The largest prefill bucket of a Qwen3-30B-A3B shape: 8192 tokens x top-8 of 128 experts =
     65,536 pairs, where moe_align's stable sort takes another algorithm than at a few hundred."""
     _replays_in_graph(8192, 2048, 768, 128, 8, replays=2)
+
+
+# ---- gpt-oss: biases and the clamped SwiGLU ------------------------------------------------------
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("n,hidden,inter,num_experts,top_k,limit,scale", [
+    (1, 40, 20, 7, 3, 7.0, 1.0), (13, 48, 24, 6, 2, 1.5, 1.0), (33, 64, 32, 16, 4, 7.0, 6.0),
+    (9, 24, 16, 8, 8, 2.0, 2.0)])
+def test_fused_moe_with_biases_and_clamped_swiglu_matches_hf(n, hidden, inter, num_experts, top_k, limit, scale):
+    """Against transformers' GptOssExperts in float64 (tests/test_expert_bias.py), clamps engaged."""
+    from test_expert_bias import assert_clamps_engage, assert_close_to, gpt_oss_case, routed as gpt_oss_routed
+
+    case = gpt_oss_case(hidden, inter, num_experts, seed=n, limit=limit, scale=scale)
+    x, w, ids = gpt_oss_routed(n, hidden, num_experts, top_k, seed=n + 1)
+    if n > 1:
+        assert_clamps_engage(case, x)
+    assert_close_to(fused_moe(x, case.w13, case.w2, w, ids, 0, **case.kwargs), case.reference(x, w, ids))
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_fused_moe_expert_parallel_shards_with_biases_sum_to_the_whole(ranks):
+    """Each shard adds only its experts' biases (b13 / b2 sliced with the weights)."""
+    from test_expert_bias import assert_close_to, gpt_oss_case, routed as gpt_oss_routed
+
+    case = gpt_oss_case(32, 24, 7, seed=ranks, limit=2.0, scale=2.0)
+    x, w, ids = gpt_oss_routed(21, 32, 7, 3, seed=ranks)
+    total = torch.zeros_like(x)
+    for rank in range(ranks):
+        lo, hi = expert_range(7, rank, ranks)
+        w13, w2, kwargs = case.shard(lo, hi)
+        total += fused_moe(x, w13, w2, w, ids, lo, **kwargs)
+    assert_close_to(total, case.reference(x, w, ids))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_fused_moe_with_biases_and_clamped_swiglu(dtype):
+    """Compiled: gpt-oss's hidden and intermediate size (2880) against HF in float64 on the same
+    (dtype-rounded) weights, with the clamps engaged."""
+    from test_expert_bias import assert_clamps_engage, gpt_oss_case, routed as gpt_oss_routed
+
+    case = gpt_oss_case(2880, 2880, 8, seed=0, limit=7.0, scale=6.0)
+    dev = case.rounded(dtype, "cuda")
+    tol = FP32_TOL if dtype == torch.float32 else BF16_TOL
+    for n in (1, 64, 600):
+        x, w, ids = gpt_oss_routed(n, 2880, 8, 4, seed=n)
+        x = x.to(dtype)
+        if n > 1:
+            assert_clamps_engage(dev, x.cpu())
+        ref = dev.reference(x, w, ids)
+        out = fused_moe(x.cuda(), dev.w13, dev.w2, w.cuda(), ids.cuda(), 0, **dev.kwargs)
+        assert out.dtype == dtype
+        err = (out.double().cpu() - ref).abs().max().item()
+        assert err <= tol * (1 + ref.abs().max().item()), (n, err)

@@ -205,3 +205,67 @@ def test_gpu_router_inside_cuda_graph():
         w_ref, ids_ref = softmax_topk(static, k, True)
         assert torch.equal(ids, ids_ref) and torch.equal(buf.buffer[:, 2], ids_ref.int())
         torch.testing.assert_close(w, w_ref, atol=GPU_WEIGHT_ATOL, rtol=0)
+
+
+# ---- gpt-oss: top-k of the logits, then softmax over them ----------------------------------------
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("num_experts,top_k,n", [(32, 4, 37), (60, 8, 5), (7, 3, 1), (6, 6, 9), (128, 4, 3)])
+def test_topk_softmax_router_matches_topk_softmax(num_experts, top_k, n):
+    """Ids bitwise equal to the torch rule including exact ties (lower id first), weights within
+    fp32 rounding, the ids in the capture buffer's rows of this layer only."""
+    from rollout.models.moe.routing import topk_softmax
+    from rollout.models.kernels.topk import topk_softmax_triton
+
+    logits = tied_logits(n, num_experts, seed=num_experts * 10 + n)
+    buf = RoutedExpertsBuffer(rows=n + 5, num_layers=3, top_k=top_k)
+    w, ids = topk_softmax_triton(logits, top_k, capture=buf, layer_id=2)
+    w_ref, ids_ref = topk_softmax(logits, top_k)
+    assert ids.dtype == torch.int64 and w.dtype == torch.float32 and ids.shape == (n, top_k)
+    assert torch.equal(ids, ids_ref)
+    torch.testing.assert_close(w, w_ref, atol=WEIGHT_ATOL, rtol=0)
+    assert torch.equal(buf.buffer[:n, 2], ids_ref.int())
+    assert (buf.buffer[n:] == -1).all() and (buf.buffer[:, [0, 1]] == -1).all()
+
+
+@pytest.mark.interpreter
+def test_topk_softmax_router_bf16_strided_and_a_recording_capture():
+    """bf16 logits, a non-contiguous view, and a capture without rows (its record() gets the ids)."""
+    from rollout.models.moe.routing import topk_softmax
+    from rollout.models.kernels.topk import topk_softmax_triton
+
+    class Recorder:
+        calls = []
+
+        def record(self, layer_id, topk_ids):
+            self.calls.append((layer_id, topk_ids.clone()))
+
+    logits = tied_logits(19, 24, seed=5, dtype=torch.bfloat16)
+    rec = Recorder()
+    w, ids = topk_softmax_triton(logits, 5, capture=rec, layer_id=7)
+    w_ref, ids_ref = topk_softmax(logits, 5)
+    assert torch.equal(ids, ids_ref)
+    torch.testing.assert_close(w, w_ref, atol=WEIGHT_ATOL, rtol=0)
+    assert len(rec.calls) == 1 and rec.calls[0][0] == 7 and torch.equal(rec.calls[0][1], ids)
+    wide = tied_logits(19, 48, seed=6)[:, ::2]
+    assert torch.equal(topk_softmax_triton(wide, 4)[1], topk_softmax(wide, 4)[1])
+    assert topk_softmax_triton(wide[:0], 4)[1].shape == (0, 4)
+    with pytest.raises(ValueError, match="top_k"):
+        topk_softmax_triton(wide, 25)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_experts,top_k", [(32, 4), (60, 4), (128, 4)])
+def test_gpu_topk_softmax_router_matches_torch(dtype, num_experts, top_k):
+    """gpt-oss-20b (32 experts) and -120b (128), top-4: the choice is on the logits, so ids bitwise
+    even with exact ties; the capture rows written by the kernel."""
+    from rollout.models.moe.routing import topk_softmax
+    from rollout.models.kernels.topk import topk_softmax_triton
+
+    logits = tied_logits(1000, num_experts, seed=num_experts, dtype=dtype).cuda()
+    buf = RoutedExpertsBuffer(rows=1024, num_layers=2, top_k=top_k, device="cuda")
+    w, ids = topk_softmax_triton(logits, top_k, capture=buf, layer_id=1)
+    w_ref, ids_ref = topk_softmax(logits, top_k)
+    assert torch.equal(ids, ids_ref) and torch.equal(buf.buffer[:1000, 1], ids_ref.int())
+    torch.testing.assert_close(w, w_ref, atol=GPU_WEIGHT_ATOL, rtol=0)

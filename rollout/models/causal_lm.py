@@ -60,6 +60,8 @@ class MoeCausalLM(nn.Module):
     # (regex, replacement) applied to checkpoint names before mapping (e.g. Mixtral's block_sparse_moe)
     hf_renames: tuple[tuple[str, str], ...] = ()
     exact = False   # lm_head through rollout.exact.linear (deterministic inference)
+    # quantization_config.quant_method values its checkpoints may declare (rollout/models/quant/)
+    quantized_formats: tuple[str, ...] = ()
 
     def __init__(self, spec: ModelSpec):
         super().__init__()

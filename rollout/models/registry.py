@@ -84,7 +84,10 @@ def model_spec(cfg: dict, generation_config: dict | None):
     from rollout.models.quant.mxfp4 import check_quantization_config  # noqa: PLC0415  (the arch modules import this one)
 
     cls = model_class(architecture_of(cfg))
-    check_quantization_config(cfg)
+    method = check_quantization_config(cfg)
+    if method is not None and method.name not in cls.quantized_formats:
+        raise ValueError(f"quantization_config.quant_method {method.name!r} is not supported for {cls.__name__} "
+                         f"(its quantized formats: {', '.join(cls.quantized_formats) or 'none'})")
     return cls.spec_from_config(cfg, generation_config)
 
 

@@ -18,6 +18,7 @@ LAYER_TYPES = ("sliding_attention", "full_attention")
 
 
 class GptOssForCausalLM(MoeCausalLM):
+    quantized_formats = ("mxfp4",)
     hf_renames = (
         (r"\.mlp\.router\.", ".mlp.gate."),
         (r"\.mlp\.experts\.gate_up_proj$", ".mlp.experts.w13"),

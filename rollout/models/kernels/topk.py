@@ -3,6 +3,8 @@
 The same rules as softmax_topk (rollout/models/moe/) and grouped_sigmoid_topk (moe/routing.py), which
 stay the reference:
 - softmax_topk_triton: fp32 softmax -> top-k -> optional renormalisation (Qwen2/3-MoE, Mixtral, OLMoE);
+- topk_softmax_triton: top-k of the logits -> fp32 softmax over those k (gpt-oss; reference:
+  rollout/models/topk_softmax.py);
 - grouped_sigmoid_topk_triton: DeepSeek-V3's rule, a variant of the same kernel: sigmoid scores, the
   choice made on scores + e_score_correction_bias within the topk_group best of n_group groups (a
   group's score is the sum of its two best biased scores), weights = the unbiased scores at the
@@ -39,7 +41,7 @@ def _router_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, capture_ptr,
                    TOP_K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr,
                    SIGMOID: tl.constexpr, RENORMALIZE: tl.constexpr, N_GROUP: tl.constexpr,
                    TOPK_GROUP: tl.constexpr, GROUP_SIZE: tl.constexpr, BLOCK_G: tl.constexpr,
-                   HAS_CAPTURE: tl.constexpr):
+                   HAS_CAPTURE: tl.constexpr, SOFTMAX_AFTER: tl.constexpr = False):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)                       # [M]
     cols = tl.arange(0, BLOCK_E)                                                    # [E]
     row_ok = rows < n_rows
@@ -69,6 +71,9 @@ def _router_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, capture_ptr,
                 allowed = allowed | (group_of[None, :] == g_best[:, None])
             taken = taken | ~allowed
         value = score
+    elif SOFTMAX_AFTER:
+        key = tl.where(col_ok[None, :], x, float("-inf"))
+        value = x                                                                   # the chosen logits
     else:
         x = tl.where(col_ok[None, :], x, float("-inf"))
         e = tl.exp(x - tl.max(x, axis=1)[:, None])
@@ -88,6 +93,11 @@ def _router_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, capture_ptr,
         out_w = tl.where(kcols[None, :] == k, w[:, None], out_w)
         out_id = tl.where(kcols[None, :] == k, best[:, None], out_id)
         taken = taken | hit
+    if SOFTMAX_AFTER:
+        k_ok = (kcols < TOP_K)[None, :]
+        top = tl.where(k_ok, out_w, float("-inf"))                                  # [M, BLOCK_K]
+        e = tl.where(k_ok, tl.exp(top - tl.max(top, axis=1)[:, None]), 0.0)
+        out_w = e / tl.sum(e, axis=1)[:, None]
     if RENORMALIZE:
         if SIGMOID:
             out_w = out_w / (tl.sum(out_w, axis=1)[:, None] + 1e-20)
@@ -113,7 +123,7 @@ def _capture_rows(capture: Optional[Any], layer_id: Optional[int], n: int, top_k
 
 def _route(logits: torch.Tensor, top_k: int, *, bias: Optional[torch.Tensor], renormalize: bool, scale: float,
            n_group: int, topk_group: int, capture: Optional[Any],
-           layer_id: Optional[int]) -> tuple[torch.Tensor, torch.Tensor]:
+           layer_id: Optional[int], softmax_after: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     n, num_experts = logits.shape
     weights = torch.empty((n, top_k), dtype=torch.float32, device=logits.device)    # [N, K]
     ids = torch.empty((n, top_k), dtype=torch.int64, device=logits.device)          # [N, K]
@@ -129,7 +139,7 @@ def _route(logits: torch.Tensor, top_k: int, *, bias: Optional[torch.Tensor], re
             TOP_K=top_k, BLOCK_K=triton.next_power_of_2(top_k), BLOCK_M=block_m, BLOCK_E=block_e,
             SIGMOID=bias is not None, RENORMALIZE=renormalize, N_GROUP=n_group, TOPK_GROUP=topk_group,
             GROUP_SIZE=num_experts // n_group, BLOCK_G=triton.next_power_of_2(n_group),
-            HAS_CAPTURE=rows is not None)
+            HAS_CAPTURE=rows is not None, SOFTMAX_AFTER=softmax_after)
     if capture is not None and rows is None:
         capture.record(layer_id, ids)
     return weights, ids
@@ -144,6 +154,18 @@ def softmax_topk_triton(router_logits: torch.Tensor, top_k: int, renormalize: bo
         raise ValueError(f"top_k must be in [1, num_experts={router_logits.shape[-1]}], got {top_k}")
     return _route(router_logits, top_k, bias=None, renormalize=renormalize, scale=1.0, n_group=1, topk_group=1,
                   capture=capture, layer_id=layer_id)
+
+
+def topk_softmax_triton(router_logits: torch.Tensor, top_k: int, capture: Optional[Any] = None,
+                        layer_id: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """gpt-oss's routing (rollout.models.moe.routing.topk_softmax's rule) in one kernel: the top_k largest
+    logits (lower id first among equals), weights = fp32 softmax over those k. router_logits [N, E]
+    (any float dtype) -> topk_weights float32 [N, K], topk_ids int64 [N, K]; the ids also land in
+    capture's rows of layer_id."""
+    if not 0 < top_k <= router_logits.shape[-1]:
+        raise ValueError(f"top_k must be in [1, num_experts={router_logits.shape[-1]}], got {top_k}")
+    return _route(router_logits, top_k, bias=None, renormalize=False, scale=1.0, n_group=1, topk_group=1,
+                  capture=capture, layer_id=layer_id, softmax_after=True)
 
 
 def grouped_sigmoid_topk_triton(router_logits: torch.Tensor, top_k: int, *, correction_bias: torch.Tensor,

@@ -83,7 +83,7 @@ class SparseMoE(nn.Module):
         """x [rows, H] -> topk_weights float32 [rows, K], topk_ids int64 [rows, K] (captured)."""
         return self.rule(self.gate(x), correction_bias=self.gate.e_score_correction_bias, capture=fb.capture,
                          layer_id=self.layer_id, exact=self.gate.exact,
-                         triton=self.moe_backend == "triton" and self.rule.scoring != "topk_softmax")
+                         triton=self.moe_backend == "triton")
 
     def shared_output(self, x: torch.Tensor) -> torch.Tensor | None:
         """The shared experts' part of the output [N, H] (this rank's own rows), or None."""

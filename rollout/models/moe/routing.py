@@ -132,6 +132,7 @@ class RoutingRule:
                     router_logits, self.top_k, correction_bias=correction_bias, n_group=self.n_group,
                     topk_group=self.topk_group, norm_topk_prob=self.renormalize,
                     routed_scaling_factor=self.scaling_factor, capture=capture, layer_id=layer_id)
+            return topk_kernels.topk_softmax_triton(router_logits, self.top_k, capture=capture, layer_id=layer_id)
         if self.scoring == "softmax":
             return softmax_topk(router_logits, self.top_k, self.renormalize, capture=capture, layer_id=layer_id)
         if self.scoring == "sigmoid":
