@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tiny_models import ARCHS, GROUPED_ARCHS, make_engine, random_prompts
+from tiny_models import ARCHS, GROUPED_ARCHS, NEW_ARCHS, make_engine, random_prompts
 
 PROMPT_LENGTHS = [7, 30, 70, 3, 45, 66]
 # (max_tokens, pad_to_multiple): one micro-batch; tiles cut mid-sample; odd padding; one sample each
@@ -33,6 +33,7 @@ def _rollout_samples(path, seed: int = 5, max_new_tokens: int = 10):
 def _load(path, exact: bool, dtype=torch.float32):
     from transformers import AutoModelForCausalLM
 
+    from trainer_bridge import enable_packed_masks
     from trainer_bridge.exact_model import make_trainer_exact
 
     # NOTE: transformers' grouped-GEMM experts have no float64 kernel; its per-expert loop has
@@ -40,6 +41,8 @@ def _load(path, exact: bool, dtype=torch.float32):
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kw)
     if exact:
         assert make_trainer_exact(model) > 0
+    else:
+        enable_packed_masks(model)          # gpt-oss: transformers' own masks would mix packed samples
     return model
 
 
@@ -64,6 +67,22 @@ def deepseek(tiny_checkpoint):
     """DeepSeek-V3: MLA with q_lora and YaRN, grouped sigmoid routing with correction bias, a
     shared expert, layer 0 dense (tests/tiny_models.py)."""
     path = tiny_checkpoint("deepseek_v3")
+    return path, _rollout_samples(path)
+
+
+@pytest.fixture(scope="module")
+def gpt_oss(tiny_checkpoint):
+    """gpt-oss: sinks, sliding window 8 on layers 0 and 2 (samples up to 80 tokens), q/k/v/o bias,
+    YaRN, the biased top-k-then-softmax router, experts with biases and the clamped SwiGLU."""
+    path = tiny_checkpoint("gpt_oss")
+    return path, _rollout_samples(path)
+
+
+@pytest.fixture(scope="module")
+def minimax_m2(tiny_checkpoint):
+    """MiniMax-M2: q/k norm over the whole projection, partial rotary, sigmoid routing with a
+    correction bias in one group."""
+    path = tiny_checkpoint("minimax_m2")
     return path, _rollout_samples(path)
 
 
@@ -115,6 +134,21 @@ def test_exact_logprobs_and_routing_equal_rollout_grouped_archs(tiny_checkpoint,
     _check_equal_to_rollout(path, _rollout_samples(path, seed=9))
 
 
+def test_exact_logprobs_and_routing_equal_rollout_gpt_oss(gpt_oss):
+    _check_equal_to_rollout(*gpt_oss, packings=PACKINGS[1:3])
+
+
+def test_exact_logprobs_and_routing_equal_rollout_minimax_m2(minimax_m2):
+    _check_equal_to_rollout(*minimax_m2, packings=PACKINGS[1:3])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", NEW_ARCHS)
+def test_exact_logprobs_and_routing_equal_rollout_new_archs(tiny_checkpoint, arch):
+    path = tiny_checkpoint(arch)
+    _check_equal_to_rollout(path, _rollout_samples(path, seed=9))
+
+
 @pytest.mark.slow
 def test_exact_deepseek_v3_without_q_lora_and_interleave(tiny_checkpoint):
     """The other MLA layout: q_proj instead of q_a/q_b, rotary dims in halves (rope_interleave
@@ -135,6 +169,17 @@ def test_exact_gradients_match_float64_reference_deepseek_v3(deepseek):
     from the latent, transformers' YaRN), so the absorbed-MLA exact form is checked against an
     independent computation."""
     _check_gradients(*deepseek)
+
+
+def test_exact_gradients_match_float64_reference_gpt_oss(gpt_oss):
+    """The reference is transformers' own GptOss in float64 (interleaved gate/up experts, its
+    sinks and YaRN): the de-interleaved expert layout and the sink attention are checked against
+    an independent computation, gradients reaching the sinks, the router bias and expert biases."""
+    _check_gradients(*gpt_oss)
+
+
+def test_exact_gradients_match_float64_reference_minimax_m2(minimax_m2):
+    _check_gradients(*minimax_m2)
 
 
 def _check_gradients(path, samples) -> None:
@@ -169,6 +214,30 @@ def test_grpo_step_under_deepspeed_is_exactly_on_policy_deepseek_v3(deepseek):
     _check_grpo_step(*deepseek)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", NEW_ARCHS)
+def test_grpo_step_under_deepspeed_is_exactly_on_policy_new_archs(request, arch):
+    _check_grpo_step(*request.getfixturevalue(arch))
+
+
+def test_grpo_step_without_exact_mode_keeps_gpt_oss_samples_apart(gpt_oss):
+    """The default (non-exact) trainer on gpt-oss: PolicyTrainer hooks transformers' GptOssModel
+    (enable_packed_masks) so packed samples do not attend to each other; its log-probs then agree
+    with the rollout's to float32 rounding in micro-batches of several samples."""
+    from trainer_bridge import grpo_advantages
+    from trainer_bridge.policy_trainer import PolicyTrainer
+    from trainer_bridge.train_config import load_train_config
+
+    path, samples = gpt_oss
+    cfg = load_train_config(None, exact=False, server_dtype="float32", model_path=str(path), zero_stage=0,
+                            micro_batch_tokens=256, compare_no_replay=False, router_replay=True)
+    trainer = PolicyTrainer(cfg, eos_id=2)
+    m = trainer.train_step(samples, grpo_advantages([s.reward for s in samples], [s.group_id for s in samples]))
+    assert m["micro_batches"] < len(samples)                         # samples share micro-batches
+    assert m["routing_mismatch_rate"] == 0
+    assert m["train_rollout_logprob_max_abs_diff"] < 1e-4, m["train_rollout_logprob_max_abs_diff"]
+
+
 def _check_grpo_step(path, samples) -> None:
     from trainer_bridge import grpo_advantages
     from trainer_bridge.policy_trainer import PolicyTrainer
@@ -191,13 +260,15 @@ def _check_grpo_step(path, samples) -> None:
 
 
 def test_exact_mode_refuses_what_it_cannot_match(tiny_checkpoint):
-    from trainer_bridge.exact_model import exact_attention_forward, make_trainer_exact
+    from trainer_bridge.exact_model import check_exact_support, exact_attention_forward, make_trainer_exact
     from trainer_bridge.train_config import ConfigError, load_train_config
 
     with pytest.raises(ConfigError, match="server_dtype"):
         load_train_config(None, exact=True, server_dtype="bfloat16")
     with pytest.raises(ValueError, match="exact mode supports"):
         make_trainer_exact(torch.nn.Sequential(torch.nn.Linear(2, 2)))
+    with pytest.raises(ValueError, match="router_jitter_noise 0"):      # the engine routes without noise
+        check_exact_support("MiniMaxM2ForCausalLM", {"router_jitter_noise": 0.01})
     model = _load(tiny_checkpoint("qwen3_moe"), exact=True)
     attn = model.model.layers[0].self_attn
     q = torch.zeros(1, 4, 5, 32)
@@ -275,7 +346,7 @@ def test_exact_config_refuses_an_architecture_it_cannot_match(tiny_checkpoint, t
                                           r"Glm4MoeForCausalLM.*, not Qwen3ForCausalLM"):
         load_train_config(None, exact=True, server_dtype="float32", model_path=str(dense))
     load_train_config(None, exact=False, server_dtype="float32", model_path=str(dense))   # fine without exact
-    for arch in ("qwen3_moe", "deepseek_v3", "glm4_moe"):
+    for arch in ("qwen3_moe", "deepseek_v3", "glm4_moe", "gpt_oss", "minimax_m2"):
         load_train_config(None, exact=True, server_dtype="float32", model_path=str(tiny_checkpoint(arch)))
     # an architecture it supports, with a feature it cannot match: YaRN on a softmax-routed model
     yarn = tiny_checkpoint("qwen3_moe", rope_parameters={"rope_type": "yarn", "factor": 2.0, "rope_theta": 1e6,
@@ -289,4 +360,4 @@ def test_exact_config_refuses_an_architecture_it_cannot_match(tiny_checkpoint, t
     err = capsys.readouterr().err
     assert "exact: exact mode supports" in err and "Qwen3ForCausalLM" in err
     assert not (tmp_path / "run").exists()
-    assert len(EXACT_ARCHITECTURES) == 6
+    assert len(EXACT_ARCHITECTURES) == 8

@@ -1,18 +1,20 @@
 """Exact mode: a transformers MoE model whose forward computes the engine's deterministic-mode numbers.
 
 ``make_trainer_exact(model)`` swaps, in place, the classes of a transformers 5.x MoE model's
-modules (EXACT_ARCHITECTURES: Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE, DeepSeek-V3, GLM-4.5) for
-subclasses whose forward calls the batch-invariant ops of ``rollout.exact``, in the order the
-engine's models call them (rollout/models/*, deterministic inference): every ``nn.Linear``
-(projections, dense MLPs, routers' siblings, lm_head) through ``rollout.exact.linear``; RMSNorm
-through ``rms_norm``; RoPE cos/sin from the engine's formula (DeepSeek-V3 / GLM-4.5: the engine's
-RotaryEmbedding from its own ModelSpec: YaRN, partial rotary); attention through
-``rollout.exact.attention`` per packed sample (keys counted from the sample's first token, so the
-key tiles line up with the engine's; DeepSeek-V3's MLA in the engine's absorbed form,
-exact_mla.py); the softmax routers' fp32 softmax and top-k by a stable descending sort (lower id
-wins ties), the sigmoid routers by the engine's grouped_sigmoid_topk (exact_sigmoid_moe.py);
-experts through ``fused_experts`` (k slots summed in order); Qwen2-MoE's shared-expert gate
-through ``sigmoid``; SiLU through ``silu``. Parameters, their names and the state_dict are
+modules (EXACT_ARCHITECTURES: Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE, DeepSeek-V3, GLM-4.5, gpt-oss,
+MiniMax-M2) for subclasses whose forward calls the batch-invariant ops of ``rollout.exact``, in
+the order the engine's models call them (rollout/models/*, deterministic inference): every
+``nn.Linear`` (projections, dense MLPs, routers' siblings, lm_head) through
+``rollout.exact.linear``; RMSNorm through ``rms_norm``; RoPE cos/sin from the engine's formula
+(DeepSeek-V3 / GLM-4.5 / gpt-oss / MiniMax-M2: the engine's RotaryEmbedding from its own
+ModelSpec: YaRN, partial rotary); attention through ``rollout.exact.attention`` per packed sample
+(keys counted from the sample's first token, so the key tiles line up with the engine's; gpt-oss's
+sinks and sliding windows; DeepSeek-V3's MLA in the engine's absorbed form, exact_mla.py); the
+softmax routers' fp32 softmax and top-k by a stable descending sort (lower id wins ties), the
+sigmoid routers by the engine's grouped_sigmoid_topk (exact_sigmoid_moe.py), gpt-oss's biased
+router by its topk_softmax (exact_gpt_oss.py); experts through ``fused_experts`` (k slots summed
+in order; gpt-oss's with biases and the clamped SwiGLU); Qwen2-MoE's shared-expert gate through
+``sigmoid``; SiLU through ``silu``. Parameters, their names and the state_dict are
 untouched, so DeepSpeed, weight sync and ``RouterReplay`` (its hooks sit on the routers, which
 keep their classes' MRO and their ``(logits, weights, ids)`` output) work as before. Every op is
 differentiable: the backward is autograd's through the same ops. ``check_exact_support`` is the
@@ -25,9 +27,10 @@ from torch import nn
 
 from rollout import exact as exact_ops
 
+from .exact_gpt_oss import ExactBiasedExperts, ExactGptOssMLP, ExactHalfRotary, ExactTopKSoftmaxRouter
 from .exact_grid import PackedGrid, packed_segments
 from .exact_mla import ExactMLAAttention
-from .exact_sigmoid_moe import ExactGroupedMoE, ExactGroupedRouter
+from .exact_sigmoid_moe import ExactGroupedMoE, ExactGroupedRouter, ExactSigmoidMoE, ExactSigmoidRouter
 
 __all__ = ["EXACT_ARCHITECTURES", "EXACT_ATTENTION", "check_exact_support", "exact_attention_forward",
            "make_trainer_exact", "packed_segments"]
@@ -35,7 +38,8 @@ __all__ = ["EXACT_ARCHITECTURES", "EXACT_ATTENTION", "check_exact_support", "exa
 EXACT_ATTENTION = "rollout_exact"
 _SOFTMAX = ("Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "MixtralForCausalLM", "OlmoeForCausalLM")
 _GROUPED = ("DeepseekV3ForCausalLM", "Glm4MoeForCausalLM")      # sigmoid routing in groups (+ MLA)
-EXACT_ARCHITECTURES = _SOFTMAX + _GROUPED
+_BIASED = ("GptOssForCausalLM", "MiniMaxM2ForCausalLM")          # biased top-k-softmax / one-group sigmoid
+EXACT_ARCHITECTURES = _SOFTMAX + _GROUPED + _BIASED
 
 
 def exact_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -43,7 +47,8 @@ def exact_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.T
                             sliding_window: int | None = None, position_ids: torch.Tensor | None = None,
                             **kwargs):
     """transformers attention interface: query [1, H, N, D], key/value [1, kvH, N, D] of one packed
-    row -> ([1, N, H, D], None), each sample attending causally to its own tokens only."""
+    row -> ([1, N, H, D], None), each sample attending causally to its own tokens only (within the
+    layer's sliding window when it has one); gpt-oss passes its per-head sink logits as `s_aux` [H]."""
     grid = PackedGrid.from_position_ids(position_ids, query.shape[0])
     if dropout:
         raise ValueError(f"exact attention has no dropout (attention_dropout must be 0, got {dropout})")
@@ -53,7 +58,9 @@ def exact_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.T
     k = grid.to_grid(key[0].transpose(0, 1)).transpose(1, 2).repeat_interleave(h // kvh, dim=1)
     v = grid.to_grid(value[0].transpose(0, 1)).transpose(1, 2).repeat_interleave(h // kvh, dim=1)
     scale = module.scaling if scaling is None else scaling
-    out = exact_ops.attention(q, k, v, grid.causal_mask(sliding_window)[:, None], scale)   # [S, H, T, Dv]
+    sinks = kwargs.get("s_aux")
+    out = exact_ops.attention(q, k, v, grid.causal_mask(sliding_window)[:, None], scale,   # [S, H, T, Dv]
+                              sinks=None if sinks is None else sinks.view(1, h, 1))
     return grid.from_grid(out.transpose(1, 2))[None], None                          # [1, N, H, Dv]
 
 
@@ -124,12 +131,21 @@ class _EngineRotary(nn.Module):
         return cos.view(*position_ids.shape, -1), sin.view(*position_ids.shape, -1)
 
 
-def _kind(module: nn.Module, grouped: bool) -> type | None:
+# modules of one architecture whose exact form is their own (matched by class name, before the suffixes)
+_BY_CLASS = {"GptOssTopKRouter": ExactTopKSoftmaxRouter, "GptOssMLP": ExactGptOssMLP,
+             "GptOssExperts": ExactBiasedExperts, "GptOssRotaryEmbedding": ExactHalfRotary,
+             "MiniMaxM2TopKRouter": ExactSigmoidRouter, "MiniMaxM2SparseMoeBlock": ExactSigmoidMoE}
+
+
+def _kind(module: nn.Module, engine_rope: bool) -> type | None:
     name = type(module).__name__
+    for base in type(module).__mro__:
+        if base.__name__ in _BY_CLASS:
+            return _BY_CLASS[base.__name__]
     if name.endswith("RMSNorm"):
         return _ExactRMSNorm
     if name.endswith("RotaryEmbedding"):
-        return _EngineRotary if grouped else _ExactRotary
+        return _EngineRotary if engine_rope else _ExactRotary
     if name.endswith("TopKRouter"):
         return _ExactRouter
     if name.endswith("TopkRouter") and hasattr(module, "e_score_correction_bias"):
@@ -150,11 +166,15 @@ def _kind(module: nn.Module, grouped: bool) -> type | None:
 def check_exact_support(arch: str, cfg: dict):
     """ValueError (naming exact mode, the architecture and the supported list) unless exact mode
     can compute the engine's numbers for a checkpoint of `arch` with config.json `cfg`.
-    -> the engine's ModelSpec for the grouped-routing archs (their RoPE, MLA scale), else None."""
+    -> the engine's ModelSpec for the grouped-routing and biased-router archs (their RoPE, MLA
+    scale, routing fields), else None."""
     if arch not in EXACT_ARCHITECTURES:
         raise ValueError(f"exact mode supports {list(EXACT_ARCHITECTURES)}, not {arch}")
     if float(cfg.get("attention_dropout", 0.0) or 0.0):
         raise ValueError(f"exact mode needs attention_dropout 0 ({arch} has {cfg['attention_dropout']})")
+    if float(cfg.get("router_jitter_noise", 0.0) or 0.0):
+        raise ValueError(f"exact mode needs router_jitter_noise 0 ({arch} has {cfg['router_jitter_noise']}): "
+                         "the engine routes without noise")
     if arch in _SOFTMAX:
         rope = {**(cfg.get("rope_scaling") or {}), **(cfg.get("rope_parameters") or {})}
         rope_type = rope.get("rope_type") or rope.get("type") or "default"
@@ -184,15 +204,17 @@ def make_trainer_exact(model: nn.Module) -> int:
     changed = exact_ops.make_exact(model)                                          # every nn.Linear
     made: dict[type, type] = {}
     for module in model.modules():
-        kind = _kind(module, grouped=spec is not None)
+        kind = _kind(module, engine_rope=spec is not None)
         if kind is not None and not isinstance(module, kind):
             base = type(module)
             if base not in made:
                 made[base] = type(f"Exact{base.__name__}", (kind, base), {})
             module.__class__ = made[base]
             changed += 1
-        if kind is _EngineRotary:
+        if kind in (_EngineRotary, ExactHalfRotary):
             module.exact_rope = (spec.rotary_dim, spec.rope_theta, spec.rope_scaling)
+        elif kind is ExactSigmoidRouter:
+            module.exact_routing = (spec.n_group, spec.topk_group, spec.renormalize, spec.routed_scaling_factor)
         elif kind is ExactMLAAttention:
             module.exact_softmax_scale = float(spec.mla.softmax_scale)
             module.exact_rope_interleave = bool(spec.mla.rope_interleave)

@@ -14,6 +14,12 @@ RouterReplay (whose hook replaces the router's ids, and its weights by torch's s
 replayed ids get the engine's weights too, so replaying the rollout's routing changes nothing.
 Then the routed experts (rollout.exact.fused_experts, k slots summed in order) plus the shared
 experts (exact SiLU MLP), in the engine's order.
+
+MiniMax-M2 is the same rule with one group and no shared experts: ExactSigmoidRouter (for
+transformers' MiniMaxM2TopKRouter, whose forward takes the block's e_score_correction_bias) and
+ExactSigmoidMoE (for MiniMaxM2SparseMoeBlock), with the routing fields the engine's ModelSpec
+reads from config.json (`exact_routing`: n_group, topk_group, renormalize, scaling factor; set by
+make_trainer_exact).
 """
 from __future__ import annotations
 
@@ -23,7 +29,7 @@ from torch import nn
 from rollout import exact as exact_ops
 from rollout.models.moe.routing import grouped_sigmoid_topk
 
-__all__ = ["ExactGroupedMoE", "ExactGroupedRouter", "sigmoid_gate_weights"]
+__all__ = ["ExactGroupedMoE", "ExactGroupedRouter", "ExactSigmoidMoE", "ExactSigmoidRouter", "sigmoid_gate_weights"]
 
 
 def sigmoid_gate_weights(logits: torch.Tensor, ids: torch.Tensor, renormalize: bool, scaling: float) -> torch.Tensor:
@@ -53,3 +59,26 @@ class ExactGroupedMoE(nn.Module):
         weights = sigmoid_gate_weights(logits, ids, bool(gate.norm_topk_prob), float(gate.routed_scaling_factor))
         out = self.experts(x, ids, weights)
         return (out + self.shared_experts(x)).reshape(shape)
+
+
+class ExactSigmoidRouter(nn.Module):
+    exact_routing: tuple    # (n_group, topk_group, renormalize, scaling_factor) of the engine's ModelSpec
+
+    def forward(self, hidden_states: torch.Tensor, e_score_correction_bias: torch.Tensor):
+        n_group, topk_group, renormalize, scaling = self.exact_routing
+        x = hidden_states.reshape(-1, self.hidden_dim)
+        logits = exact_ops.linear(x.float(), self.weight.float())                 # [N, E] float32
+        weights, ids = grouped_sigmoid_topk(
+            logits, e_score_correction_bias, self.top_k, n_group=n_group, topk_group=topk_group,
+            renormalize=renormalize, scaling_factor=scaling, exact=True)
+        return logits, weights, ids
+
+
+class ExactSigmoidMoE(nn.Module):
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        shape = hidden_states.shape
+        x = hidden_states.reshape(-1, shape[-1])                                   # [N, hidden]
+        logits, _, ids = self.gate(x, self.e_score_correction_bias)
+        _, _, renormalize, scaling = self.gate.exact_routing
+        weights = sigmoid_gate_weights(logits, ids, renormalize, scaling)
+        return self.experts(x, ids, weights).reshape(shape)

@@ -5,7 +5,10 @@ Layout of a ``PackedBatch`` (N = packed length, a multiple of ``pad_to_multiple`
 sample and for the padding segment, and no attention mask nor cache is passed
 (``model_inputs()``: ``use_cache=False``): transformers 5.x then builds
 a block-diagonal causal mask from the position restarts (packed-sequence format), so samples do
-not attend to each other. Everything is aligned to the *input position* i:
+not attend to each other. NOTE: transformers 5.x's gpt-oss (``GptOssModel``) does not hand
+``position_ids`` to its mask functions, so there the samples of a row would attend to each other;
+``enable_packed_masks(model)`` builds its masks from the restarts (``PolicyTrainer`` calls it).
+Everything is aligned to the *input position* i:
 
 ``input_ids[i]``         token at i
 ``routed_experts[i]``    routing row of token i (``[N, num_layers, top_k]``, the layout
@@ -32,7 +35,11 @@ import torch
 
 from .sample import Sample
 
-__all__ = ["PackedBatch", "pack_samples"]
+__all__ = ["PackedBatch", "enable_packed_masks", "pack_samples"]
+
+# transformers model classes whose forward builds its attention masks without position_ids, so
+# without help a packed row's samples attend to each other (transformers 5.x gpt-oss)
+_MASKS_WITHOUT_POSITIONS = ("GptOssModel",)
 
 
 @dataclass(frozen=True, eq=False)
@@ -190,3 +197,38 @@ def pack_samples(samples: Sequence[Sample], *, pad_to_multiple: int = 1, max_tok
             routed_experts=_take(routes, index, fill_route) if routes is not None else None,
             index=index, cu_seqlens=cu, samples=tuple(samples[i] for i in members)))
     return out
+
+
+def enable_packed_masks(model: torch.nn.Module) -> int:
+    """In place: every decoder of ``model`` in ``_MASKS_WITHOUT_POSITIONS`` (transformers' gpt-oss)
+    gets a forward pre-hook that, for a forward without attention mask and cache
+    (``PackedBatch.model_inputs()``), builds its full and sliding-window masks with the
+    ``position_ids`` (block-diagonal per packed sample, as transformers does for the other models)
+    and hands them to the forward. Idempotent; returns how many decoders it hooked (0 for a model
+    that needs nothing)."""
+    hooked = 0
+    for m in model.modules():
+        if type(m).__name__ in _MASKS_WITHOUT_POSITIONS and "_packed_masks_hook" not in vars(m):
+            m._packed_masks_hook = m.register_forward_pre_hook(_packed_masks, with_kwargs=True)
+            hooked += 1
+    return hooked
+
+
+def _packed_masks(module, args, kwargs):
+    from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+    position_ids = kwargs.get("position_ids")
+    use_cache = kwargs.get("use_cache")
+    if use_cache is None:
+        use_cache = getattr(module.config, "use_cache", False)
+    if (args or position_ids is None or kwargs.get("attention_mask") is not None or use_cache
+            or kwargs.get("cache") is not None or kwargs.get("past_key_values") is not None):
+        return None                                  # not the packed form: transformers' own masks
+    embeds = kwargs.get("inputs_embeds")
+    if embeds is None:
+        embeds = module.embed_tokens(kwargs["input_ids"])                          # [B, N, hidden]
+    mask_kwargs = dict(config=module.config, inputs_embeds=embeds, attention_mask=None, cache=None,
+                       position_ids=position_ids)
+    masks = {"full_attention": create_causal_mask(**mask_kwargs),
+             "sliding_attention": create_sliding_window_causal_mask(**mask_kwargs)}
+    return args, {**kwargs, "input_ids": None, "inputs_embeds": embeds, "attention_mask": masks}

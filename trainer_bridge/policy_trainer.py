@@ -26,7 +26,7 @@ import torch
 from .exact_model import make_trainer_exact
 from .losses import rl_loss, token_logprobs
 from .metrics import step_metrics
-from .packing import pack_samples
+from .packing import enable_packed_masks, pack_samples
 from .router_replay import RouterReplay
 from .sample import Sample
 from .train_config import TrainConfig
@@ -118,7 +118,9 @@ class PolicyTrainer:
             model = AutoModelForCausalLM.from_pretrained(config.model_path, dtype=torch.float32)
         model.config.use_cache = False
         if config.exact:
-            make_trainer_exact(model)
+            make_trainer_exact(model)           # NOTE: its attention separates packed samples itself
+        else:
+            enable_packed_masks(model)
         model.train()
         self.num_layers = int(model.config.num_hidden_layers)
         params = [p for p in model.parameters() if p.requires_grad]

@@ -11,14 +11,18 @@
             probabilities at the replayed ids (OLMoE, Qwen2-MoE with ``norm_topk_prob=False``,
             DeepSpeed top-1). Gathering from the full softmax (never from probabilities zeroed
             outside the live top-k) keeps gradients flowing to every replayed expert's router row.
-            Sigmoid routers (DeepSeek-V3, GLM-4.5): the *unbiased* sigmoid scores at the replayed
-            ids, divided by their sum when ``norm_topk_prob``, times ``routed_scaling_factor``; the
-            ``e_score_correction_bias`` only ever chose experts, so replay never reads it (it is
-            a load-balancing statistic, not trained by gradient).
+            Sigmoid routers (DeepSeek-V3, GLM-4.5, MiniMax-M2): the *unbiased* sigmoid scores at
+            the replayed ids, divided by their sum when ``norm_topk_prob`` (MiniMax-M2 always),
+            times ``routed_scaling_factor`` (MiniMax-M2: none); the ``e_score_correction_bias``
+            only ever chose experts, so replay never reads it (it is a load-balancing statistic,
+            not trained by gradient). gpt-oss (top-k of the logits, then softmax over those k):
+            the softmax over the replayed ids' logits (router bias included), so every replayed
+            expert's router row and bias get gradient.
 
 Supported routers: transformers 5.x ``Qwen3MoeTopKRouter``, ``Qwen2MoeTopKRouter``,
-``MixtralTopKRouter``, ``OlmoeTopKRouter``, ``DeepseekV3TopkRouter``, ``Glm4MoeTopkRouter`` (a
-forward hook replaces the (weights, ids) part of the router's output; logits are untouched), and DeepSpeed ``TopKGate`` anywhere in an ``nn.Module``
+``MixtralTopKRouter``, ``OlmoeTopKRouter``, ``DeepseekV3TopkRouter``, ``Glm4MoeTopkRouter``,
+``MiniMaxM2TopKRouter``, ``GptOssTopKRouter`` (a forward hook replaces the (weights, ids) part of
+the router's output; logits are untouched), and DeepSpeed ``TopKGate`` anywhere in an ``nn.Module``
 (a scoped instance-level patch of its ``forward``, see ``trainer_bridge.ds_gating``). Hooks and
 patches are installed on ``__enter__`` and removed on ``__exit__``.
 
@@ -49,7 +53,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from .routers import Router, discover_routers, gate_weights, sigmoid_gate_weights
+from .routers import Router, discover_routers, replay_gate_weights
 
 __all__ = ["RouterReplay", "check_routed_experts"]
 
@@ -293,10 +297,6 @@ class RouterReplay:
             if self.mode != "replay":
                 return None
             ids = r.replay_ids(logits.shape[0], logits.device)
-            if r.scaling is None:
-                weights = gate_weights(logits, ids, r.renormalize)
-            else:
-                weights = sigmoid_gate_weights(logits, ids, r.renormalize, r.scaling)
-            weights = weights.to(live_w.dtype)
+            weights = replay_gate_weights(r, logits, ids).to(live_w.dtype)
             return logits, weights, ids
         return hook

@@ -1,8 +1,9 @@
 """The MoE routers ``RouterReplay`` works on: finding them in a model (transformers 5.x routers by
 class name, DeepSpeed ``TopKGate``), each one's per-context state (``Router``), and the gate rule
-that recomputes a transformers router's weights at replayed ids: softmax (Qwen, Mixtral, OLMoE)
-or sigmoid times ``routed_scaling_factor`` (DeepSeek-V3, GLM-4.5). DeepSpeed gates are replayed
-by ``trainer_bridge.ds_gating``; the context itself is ``trainer_bridge.router_replay``."""
+that recomputes a transformers router's weights at replayed ids: softmax (Qwen, Mixtral, OLMoE),
+sigmoid times ``routed_scaling_factor`` (DeepSeek-V3, GLM-4.5, MiniMax-M2) or softmax over the k
+ids' logits (gpt-oss). DeepSpeed gates are replayed by ``trainer_bridge.ds_gating``; the context
+itself is ``trainer_bridge.router_replay``."""
 from __future__ import annotations
 
 import re
@@ -20,9 +21,15 @@ _HF_ROUTERS = {
     "MixtralTopKRouter": lambda m: True,
     "DeepseekV3TopkRouter": lambda m: bool(m.norm_topk_prob),
     "Glm4MoeTopkRouter": lambda m: bool(m.norm_topk_prob),
+    "MiniMaxM2TopKRouter": lambda m: True,
+    "GptOssTopKRouter": lambda m: True,   # NOTE: its softmax spans the k ids only: always sums to 1
 }
-# routers whose weights are sigmoid scores times routed_scaling_factor (grouped, bias-chosen ids)
-_SIGMOID_ROUTERS = ("DeepseekV3TopkRouter", "Glm4MoeTopkRouter")
+# each router's weight rule (default "softmax"): "sigmoid" = sigmoid scores at the ids, normalised,
+# times routed_scaling_factor (bias-chosen ids, grouped or not); "topk_softmax" = softmax over the
+# k ids' logits. RULE_EPS: what the sigmoid rule adds to the sum it divides by (transformers' own)
+_RULES = {"DeepseekV3TopkRouter": "sigmoid", "Glm4MoeTopkRouter": "sigmoid", "MiniMaxM2TopKRouter": "sigmoid",
+          "GptOssTopKRouter": "topk_softmax"}
+_RULE_EPS = {"DeepseekV3TopkRouter": 1e-20, "Glm4MoeTopkRouter": 1e-20, "MiniMaxM2TopKRouter": 0.0}
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)(?:\.|$)")
 
 
@@ -36,7 +43,9 @@ class Router:
     renormalize: bool
     top_k: int
     num_experts: int
-    scaling: Optional[float] = None  # sigmoid routers: routed_scaling_factor; None: softmax rule
+    rule: str = "softmax"  # "softmax" | "sigmoid" | "topk_softmax" (see _RULES)
+    scaling: float = 1.0  # sigmoid rule: routed_scaling_factor
+    eps: float = 0.0  # sigmoid rule: added to the sum of the k scores before dividing
     handle: object = None
     ids: Optional[torch.Tensor] = None  # [num_tokens, top_k] int64, replayed ids of this layer
     live: Optional[torch.Tensor] = None  # [tokens, top_k] live top-k of the last forward call
@@ -71,13 +80,31 @@ def gate_weights(logits: torch.Tensor, ids: torch.Tensor, renormalize: bool) -> 
 
 
 def sigmoid_gate_weights(logits: torch.Tensor, ids: torch.Tensor, renormalize: bool,
-                          scaling: float) -> torch.Tensor:
-    """[tokens, top_k] DeepSeek-V3 / GLM-4.5 gate weights of the replayed ids: unbiased sigmoid
-    scores (fp32), optionally normalised, times routed_scaling_factor; transformers' op sequence."""
+                          scaling: float, eps: float = 1e-20) -> torch.Tensor:
+    """[tokens, top_k] DeepSeek-V3 / GLM-4.5 / MiniMax-M2 gate weights of the replayed ids:
+    unbiased sigmoid scores (fp32), optionally divided by their sum (+ eps: 1e-20 for DeepSeek-V3
+    and GLM-4.5, 0 for MiniMax-M2), times routed_scaling_factor (1 for MiniMax-M2, which has none);
+    transformers' op sequence."""
     weights = logits.float().sigmoid().gather(1, ids)
     if renormalize:
-        weights /= weights.sum(dim=-1, keepdim=True) + 1e-20
+        weights /= weights.sum(dim=-1, keepdim=True) + eps
     return weights * scaling
+
+
+def topk_softmax_gate_weights(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """[tokens, top_k] gpt-oss gate weights of the replayed ids: softmax over those k ids' logits,
+    in the logits' dtype (transformers' GptOssTopKRouter: softmax over its top-k logits), so every
+    replayed expert's router row (and bias) gets gradient."""
+    return torch.nn.functional.softmax(logits.gather(1, ids), dim=1, dtype=logits.dtype)
+
+
+def replay_gate_weights(r: "Router", logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """[tokens, top_k] weights of ids [tokens, top_k] from logits [tokens, E] by r's rule."""
+    if r.rule == "sigmoid":
+        return sigmoid_gate_weights(logits, ids, r.renormalize, r.scaling, r.eps)
+    if r.rule == "topk_softmax":
+        return topk_softmax_gate_weights(logits, ids)
+    return gate_weights(logits, ids, r.renormalize)
 
 
 def _find_config(model: nn.Module):
@@ -117,9 +144,11 @@ def discover_routers(model: nn.Module) -> tuple[list[Router], int]:
             routers.append(Router(m, name, layer, "deepspeed", renormalize=m.k > 1, top_k=int(m.k),
                                    num_experts=int(m.wg.weight.shape[0])))
         else:
+            rule = _RULES.get(kind, "softmax")
             routers.append(Router(m, name, layer, "hf", renormalize=_HF_ROUTERS[kind](m),
-                                   top_k=int(m.top_k), num_experts=int(m.num_experts),
-                                   scaling=float(m.routed_scaling_factor) if kind in _SIGMOID_ROUTERS else None))
+                                   top_k=int(m.top_k), num_experts=int(m.num_experts), rule=rule,
+                                   scaling=float(getattr(m, "routed_scaling_factor", 1.0)) if rule == "sigmoid" else 1.0,
+                                   eps=_RULE_EPS.get(kind, 0.0)))
     ks = {r.top_k for r in routers}
     es = {r.num_experts for r in routers}
     if len(ks) != 1 or len(es) != 1:
