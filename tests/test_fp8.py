@@ -180,3 +180,17 @@ def test_refusals_name_the_setting(fp8_path, tiny_checkpoint, tmp_path):
     (bad / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="activation_scheme 'static'"):
         load_model(bad, torch.float32)
+
+
+@pytest.mark.slow
+def test_engine_quantization_flag_and_deterministic_fp8(tiny_checkpoint):
+    """`quantization="fp8"` through the engine (the server's --quantization fp8): the experts it
+    reports are FP8-sized; with deterministic inference a request alone and among others, and its
+    decode vs the same tokens scored as a prompt, give the same bits."""
+    from test_deterministic_engine import check_batch_invariance
+
+    path = tiny_checkpoint("qwen3_moe")
+    with make_engine(path, quantization="fp8") as fp8, make_engine(path) as full:
+        held = fp8.loads()[0]["expert_weight_bytes"]
+        assert held < 0.3 * full.loads()[0]["expert_weight_bytes"]
+    check_batch_invariance(path, quantization="fp8")

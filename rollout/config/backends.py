@@ -1,6 +1,7 @@
-"""The kernel backends an engine can choose (attention, MoE), and which this machine can run:
-device and install checks only, no model code (the backends themselves are
-rollout/models/attention/backend.py and the MoE block's moe_backend)."""
+"""The kernel backends an engine can choose (attention, MoE) and which this machine can run, and
+the online weight quantizations: names and device / install checks only, no model code (the
+backends themselves are rollout/models/attention/backend.py and the MoE block's moe_backend;
+quantization is rollout/models/quant/)."""
 from __future__ import annotations
 
 import importlib.util
@@ -8,6 +9,7 @@ import os
 
 MOE_BACKENDS = ("torch", "triton")
 ATTENTION_BACKENDS = ("torch", "triton", "flashinfer")
+QUANTIZATIONS = ("fp8",)   # online weight quantization (rollout/models/quant/)
 
 
 def flashinfer_importable() -> bool:

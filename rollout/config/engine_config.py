@@ -11,7 +11,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from rollout.config.backends import ATTENTION_BACKENDS, MOE_BACKENDS, check_attention_backend, default_attention_backend
+from rollout.config.backends import ATTENTION_BACKENDS, MOE_BACKENDS, QUANTIZATIONS, check_attention_backend, default_attention_backend
 from rollout.config.flag import flag
 
 _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -49,6 +49,11 @@ class EngineConfig:
     tokenizer_path: Optional[str] = field(default=None, metadata=flag(
         help="tokenizer directory (default: the model path)"))
     dtype: str = field(default="auto", metadata=flag(choices=DTYPES))
+    # "fp8": quantize a float checkpoint's linear and expert weights on load and on every weight
+    # update (rollout/models/quant/fp8.py); FP8 checkpoints are held in FP8 without it
+    quantization: Optional[str] = field(default=None, metadata=flag(
+        choices=QUANTIZATIONS, help="fp8: hold a float checkpoint's weights in FP8 (quantized on load and on "
+                                    "every weight update); FP8 checkpoints load as FP8 without it"))
     device: str = field(default="cpu", metadata=flag(help="cpu or cuda[:N]"))
     max_running_requests: int = field(default=128, metadata=flag(type=int))
     # tokens per prefill forward; None = whole prompts
@@ -126,6 +131,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.model_path, str) or not self.model_path:
             raise ValueError(f"model_path must be a non-empty path, got {self.model_path!r}")
+        if self.quantization not in (None, *QUANTIZATIONS):
+            raise ValueError(f"quantization must be one of {QUANTIZATIONS} or None, got {self.quantization!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if not isinstance(self.device, str) or self.device.split(":")[0] not in ("cpu", "cuda"):

@@ -81,7 +81,8 @@ class EngineCore(ControlCalls):
     def _load_model(self) -> None:
         cfg, ep_group = self.cfg, self.ep_group
         self.model, _ = load_model(cfg.model_path, cfg.dtype, self.device,
-                                   expert_shard=(ep_group.rank, ep_group.size) if ep_group is not None else None)
+                                   expert_shard=(ep_group.rank, ep_group.size) if ep_group is not None else None,
+                                   quantization=cfg.quantization)
         set_moe_backend(self.model, cfg.resolved_moe_backend)
         if cfg.enable_deterministic_inference:
             make_exact(self.model)

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from rollout.config.backends import QUANTIZATIONS
 from rollout.models.quant.method import check_quantization_config
 
 # architectures[0] -> "module:Class" (imported lazily: the model modules import ModelInfo from here)
@@ -109,9 +110,6 @@ def resolve_dtype(dtype: torch.dtype | str, cfg: dict) -> torch.dtype:
     if dtype not in _DTYPES.values():
         raise ValueError(f"dtype must be one of {', '.join(_DTYPES)} or 'auto', got {dtype!r}")
     return dtype
-
-
-QUANTIZATIONS = ("fp8",)
 
 
 def load_model(model_path: str | Path, dtype: torch.dtype | str = "auto",
