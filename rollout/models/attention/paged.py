@@ -115,9 +115,7 @@ class PagedAttention(nn.Module):
         """q [N, H, D] over keys / values [B, kvH, S, D] under mask [B, 1, extend, S] -> [N, H*D]."""
         n, h, d = q.shape
         kvh = self.num_kv_heads
-        if self.sinks is not None:
-            return self._sdpa_sinks(q, keys, values, bsz, extend, q_pad_index, mask)
-        if extend == 1 and q_pad_index is None and kvh != h:
+        if extend == 1 and q_pad_index is None and kvh != h and self.sinks is None:
             # decode with GQA: each kv head's query heads become its query rows (same math, and
             # the CPU kernel is faster than with enable_gqa)
             out = F.scaled_dot_product_attention(q.view(bsz, kvh, h // kvh, d), keys, values, attn_mask=mask,
@@ -129,22 +127,11 @@ class PagedAttention(nn.Module):
             q_pad = q.new_zeros(bsz * extend, h, d)
             q_pad[q_pad_index] = q
         q_pad = q_pad.view(bsz, extend, h, d).transpose(1, 2)                  # [B, H, E, D]
-        out = F.scaled_dot_product_attention(q_pad, keys, values, attn_mask=mask, scale=self.scale,
-                                             enable_gqa=h != kvh)              # [B, H, E, D]
-        out = out.transpose(1, 2).reshape(bsz * extend, h * d)
-        return out if q_pad_index is None else out[q_pad_index]
-
-    def _sdpa_sinks(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bsz: int, extend: int,
-                    q_pad_index: torch.Tensor | None, mask: torch.Tensor) -> torch.Tensor:
-        """_sdpa's form for a layer with sinks (attention/sink_sdpa.py)."""
-        n, h, d = q.shape
-        if q_pad_index is None:
-            q_pad = q
+        if self.sinks is not None:                                             # gpt-oss (attention/sink_sdpa.py)
+            out = sdpa_with_sinks(q_pad, keys, values, mask, self.scale, self.sinks)
         else:
-            q_pad = q.new_zeros(bsz * extend, h, d)
-            q_pad[q_pad_index] = q
-        q_pad = q_pad.view(bsz, extend, h, d).transpose(1, 2)                  # [B, H, E, D]
-        out = sdpa_with_sinks(q_pad, keys, values, mask, self.scale, self.sinks)   # [B, H, E, D]
+            out = F.scaled_dot_product_attention(q_pad, keys, values, attn_mask=mask, scale=self.scale,
+                                                 enable_gqa=h != kvh)          # [B, H, E, D]
         out = out.transpose(1, 2).reshape(bsz * extend, h * d)
         return out if q_pad_index is None else out[q_pad_index]
 

@@ -119,12 +119,11 @@ class FusedExperts(nn.Module):
         gate = gate.clamp(max=limit)
         return gate * torch.sigmoid(gate * self.swiglu_alpha) * (up.clamp(-limit, limit) + 1)
 
-    def _held(self, lo: int, hi: int, dtype: torch.dtype | None = None
+    def _held(self, lo: int, hi: int, dtype: torch.dtype
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """w13, w2, b13, b2 of the global experts [lo, hi) (views; FP8 weights dequantized to dtype)."""
         first, num = lo - self.expert_lo, hi - lo
         narrow = (lambda t: None if t is None else t[first:first + num])
-        dtype = dtype or (self.b13.dtype if self.b13 is not None else torch.float32)
         return (self._dense("w13", first, num, dtype), self._dense("w2", first, num, dtype),
                 narrow(self.b13), narrow(self.b2))
 
