@@ -194,3 +194,17 @@ def test_engine_quantization_flag_and_deterministic_fp8(tiny_checkpoint):
         held = fp8.loads()[0]["expert_weight_bytes"]
         assert held < 0.3 * full.loads()[0]["expert_weight_bytes"]
     check_batch_invariance(path, quantization="fp8")
+
+
+def test_get_weights_by_name_reads_the_dequantized_weight(fp8_path):
+    """SGLang's /get_weights_by_name on an FP8 model returns the weight its scales make (what the
+    model computes with), for a linear and for one expert's gate_proj."""
+    from rollout.models.weight_reader import read_hf_weight
+    from fp8_checkpoint import dequantized_state
+
+    path = fp8_path("qwen3_moe")
+    model, _ = load_model(path, torch.float32)
+    want = dequantized_state(path)
+    for name in ("model.layers.1.self_attn.q_proj.weight", "model.layers.2.mlp.experts.5.gate_proj.weight"):
+        got = torch.tensor(read_hf_weight(model, name, 1000))
+        assert torch.equal(got, want[name])

@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from rollout.models.loader import _experts_of, resolve, target_view
+from rollout.models.quant.fp8 import FP8_DTYPE
 
 
 @torch.no_grad()
@@ -30,6 +31,11 @@ def read_hf_weight(model: nn.Module, hf_name: str, truncate_size: int) -> Option
                 return None                          # a stacked tensor this shard holds only part of
         elif not lo <= t.expert < hi:
             return None
+    if param.dtype == FP8_DTYPE:     # the weight as its scales make it, not the raw FP8 codes
+        owner, _, name = t.param.rpartition(".")
+        module = model.get_submodule(owner)
+        param = (module.dense_weight(torch.float32) if name == "weight"
+                 else module.dense(name, 0, param.shape[0], torch.float32))
     view = target_view(param, t, lo)
     if view.device.type == "meta":
         return None

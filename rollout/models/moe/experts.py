@@ -76,7 +76,7 @@ class FusedExperts(nn.Module):
                         p.data = p.data.to(want)
         return self
 
-    def _dense(self, name: str, first: int, num: int, dtype: torch.dtype) -> torch.Tensor:
+    def dense(self, name: str, first: int, num: int, dtype: torch.dtype) -> torch.Tensor:
         """w13 or w2 of held experts [first, first + num) in dtype (dequantized when FP8)."""
         w = getattr(self, name)[first:first + num]
         if self.fp8 is None:
@@ -124,7 +124,7 @@ class FusedExperts(nn.Module):
         """w13, w2, b13, b2 of the global experts [lo, hi) (views; FP8 weights dequantized to dtype)."""
         first, num = lo - self.expert_lo, hi - lo
         narrow = (lambda t: None if t is None else t[first:first + num])
-        return (self._dense("w13", first, num, dtype), self._dense("w2", first, num, dtype),
+        return (self.dense("w13", first, num, dtype), self.dense("w2", first, num, dtype),
                 narrow(self.b13), narrow(self.b2))
 
     def _bias_kw(self, b13: torch.Tensor | None, b2: torch.Tensor | None) -> dict:
@@ -258,7 +258,7 @@ class FusedExperts(nn.Module):
                 continue
             rows = token_of[start:start + cnt]
             i = e - self.expert_lo
-            w13, w2 = self._dense("w13", i, 1, x.dtype)[0], self._dense("w2", i, 1, x.dtype)[0]
+            w13, w2 = self.dense("w13", i, 1, x.dtype)[0], self.dense("w2", i, 1, x.dtype)[0]
             gate, up = F.linear(x[rows], w13, None if self.b13 is None else self.b13[i]).chunk(2, dim=-1)
             y = F.linear(self._act(gate, up), w2, None if self.b2 is None else self.b2[i])  # [cnt, H]
             # NOTE: routing weight cast to the model dtype before the product, as HF Qwen/OLMoE do
@@ -301,7 +301,7 @@ class FusedExperts(nn.Module):
         for e in range(lo, hi):
             w = (topk_weights * (topk_ids == e)).sum(-1)                   # [N] float32, 0 if not picked
             i = e - self.expert_lo
-            w13, w2 = self._dense("w13", i, 1, x.dtype)[0], self._dense("w2", i, 1, x.dtype)[0]
+            w13, w2 = self.dense("w13", i, 1, x.dtype)[0], self.dense("w2", i, 1, x.dtype)[0]
             gate, up = F.linear(x, w13, None if self.b13 is None else self.b13[i]).chunk(2, dim=-1)
             y = F.linear(self._act(gate, up), w2, None if self.b2 is None else self.b2[i])  # [N, H]
             out = out + y * w[:, None].to(y.dtype)
