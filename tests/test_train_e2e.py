@@ -40,6 +40,7 @@ def test_configs_in_repo_load():
     ("loss:\n  clip_eps: -1\n", "loss: clip_eps must be >= 0"),
     ("adam_betas: 0.9\n", "adam_betas: expected a list"),
     ("samples_per_prompt: 1\n", "samples_per_prompt: GRPO needs groups of at least 2"),
+    ("loss:\n  kl_coef: 0.1\n", "loss.kl_coef: the GRPO loop has no reference policy to give rl_loss"),
     ("- a\n- b\n", "must be a mapping"),
 ])
 def test_config_errors_name_the_key(tmp_path, text, match):
@@ -59,6 +60,46 @@ def test_config_overrides_and_yaml_float_strings(tmp_path):
         load_train_config(TINY_TEST, ["steps"])
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.steps = 3  # frozen
+
+
+def _all_keys():
+    from trainer_bridge.losses import LossConfig
+    from trainer_bridge.train_config import TrainConfig
+
+    names = [f.name for f in dataclasses.fields(TrainConfig)]
+    at = names.index("loss") + 1
+    loss = [f"loss.{f.name}" for f in dataclasses.fields(LossConfig) if f.name != "temperature"]
+    return names[:at] + loss + names[at:]
+
+
+def test_help_lists_every_config_key_from_the_dataclass(capsys):
+    from trainer_bridge.config_keys import config_keys
+    from trainer_bridge.train import main
+
+    with pytest.raises(SystemExit) as ei:
+        main(["--help"])
+    assert ei.value.code == 0
+    out = capsys.readouterr().out
+    keys = config_keys()
+    assert [k.name for k in keys] == _all_keys()
+    for k in keys:
+        assert f"\n  {k.name} ({k.type}, default {k.default})\n" in out, k.name
+        assert k.help.split()[0] in out.split(f"  {k.name} (", 1)[1], k.name
+    by_name = {k.name: k for k in keys}
+    assert (by_name["server_urls"].type, by_name["server_urls"].default) == ("list of str", "[]")
+    assert (by_name["api_key"].type, by_name["api_key"].default) == ("str or null", "null")
+    assert (by_name["loss.clip_eps_high"].type, by_name["steps"].default) == ("float or null", "20")
+    assert max(len(line) for line in out.splitlines()) <= 110
+
+
+def test_trainer_doc_lists_every_config_key():
+    from trainer_bridge.config_keys import BEGIN, END, keys_markdown
+
+    doc = (ROOT / "docs" / "trainer.md").read_text()
+    table = doc.split(BEGIN, 1)[1].split(END, 1)[0].strip()
+    assert table == keys_markdown(), "stale: python -m trainer_bridge.config_keys --write docs/trainer.md"
+    for name in _all_keys():
+        assert f"| `{name}` |" in table, name
 
 
 # ---- task and data --------------------------------------------------------------------------------

@@ -301,7 +301,10 @@ def run(config: TrainConfig, **kw) -> TrainResult:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m trainer_bridge.train", description=__doc__.split("\n\n")[0])
+    from .config_keys import keys_help
+
+    ap = argparse.ArgumentParser(prog="python -m trainer_bridge.train", description=__doc__.split("\n\n")[0],
+                                 epilog=keys_help(), formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", required=True, help="YAML file (e.g. configs/train/tiny.yaml)")
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                     help="override a config key (repeatable), e.g. --set steps=5 --set loss.clip_eps=0.3")
