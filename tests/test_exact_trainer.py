@@ -263,7 +263,8 @@ def test_max_dlp_metric_and_printout_are_exact():
         agreement = [cells[k] for k in ("mismatch", "mism(noR)", "max|dlp|", "max(noR)")]
         assert agreement == (["0", "1e-06", "0", "9.5367431640625e-07"] if exact
                              else ["0.0000", "0.0000", "0", "9.54e-07"]), line
-        assert cells["step"] == "3" and cells["eval"] == "-" and len(line) < 120
+        assert cells["step"] == "3" and cells["eval"] == "-"
+        assert exact or len(line) < 120     # exact digits may widen the row; rounded ones never do
 
 
 def test_exact_config_refuses_an_architecture_it_cannot_match(tiny_checkpoint, tmp_path, capsys):
