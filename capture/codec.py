@@ -45,7 +45,7 @@ from capture.compact_header import (CODE_I16, CODE_TO_DTYPE, CODE_U8, CODE_U8_NO
                                     U8_NONE, VERSION, CompactHeader, bitmap_len, parse_header)
 
 __all__ = ["RoutedExpertsFormat", "CompactHeader", "encode_routed_experts", "encode_engine_rows", "ROW_DTYPES",
-           "decode_routed_experts", "compact_header", "narrowest_dtype"]
+           "decode_routed_experts", "routed_experts_format_of", "compact_header", "narrowest_dtype"]
 
 
 class RoutedExpertsFormat(str, enum.Enum):
@@ -247,24 +247,46 @@ def _b64(arr: np.ndarray) -> str:
 
 # ---------------------------------------------------------------------------------------- decode
 
+_COMPACT_B64 = base64.b64encode(MAGIC).decode("ascii")[:5]  # "UkVYQ": the 5 characters fixed by b"REXC"
+
+
+def routed_experts_format_of(s: Union[str, bytes]) -> RoutedExpertsFormat:
+    """The format of a ``routed_experts`` payload, by its content: ``compact`` when it starts with
+    the compact magic, else ``int32`` (a server that ignores ``routed_experts_format``, as SGLang
+    does, answers int32)."""
+    if isinstance(s, (bytes, bytearray, memoryview)):
+        s = bytes(s[:5]).decode("ascii", "replace")
+    compact = isinstance(s, str) and s.startswith(_COMPACT_B64)
+    return RoutedExpertsFormat.COMPACT if compact else RoutedExpertsFormat.INT32
+
 
 def decode_routed_experts(
     s: Union[str, bytes],
-    fmt: Union[str, RoutedExpertsFormat] = "int32",
+    fmt: Union[str, RoutedExpertsFormat, None] = None,
     *,
     num_layers: Optional[int] = None,
     top_k: Optional[int] = None,
 ) -> torch.Tensor:
     """Decode to a ``torch.int32`` tensor ``[rows, num_layers, top_k]`` with -1 restored.
 
-    ``int32`` needs ``num_layers`` and ``top_k``; for ``compact`` they are optional and, when
-    given, must match the header.
+    ``fmt=None`` (the default) reads the format from the payload: ``compact`` when it starts with
+    the compact magic (``b"REXC"``, base64 ``"UkVYQ"``; as int32 that is id 1,129,858,386, never an
+    expert id), else ``int32``. A ``compact`` payload carries its shape in its header, so
+    ``decode_routed_experts(payload)`` needs nothing else; ``num_layers`` and ``top_k``, when
+    given, must match it. ``int32`` has no header: it needs ``num_layers`` and ``top_k``
+    (``/model_info``'s ``num_hidden_layers`` and ``num_experts_per_tok``); the rows follow from
+    the length (``prompt_tokens + completion_tokens - 1 - routed_experts_start_len``).
     """
+    if fmt is None:
+        fmt = routed_experts_format_of(s)
     fmt = RoutedExpertsFormat.parse(fmt)
     raw = _unb64(s)
     if fmt is RoutedExpertsFormat.INT32:
         if num_layers is None or top_k is None:
-            raise ValueError("decoding routed_experts_format='int32' needs num_layers and top_k")
+            hint = (" (this payload starts with the compact magic: decode it with fmt='compact' or fmt=None)"
+                    if raw[:len(MAGIC)] == MAGIC else "")
+            raise ValueError("decoding routed_experts_format='int32' needs num_layers and top_k "
+                             "(/model_info's num_hidden_layers and num_experts_per_tok)" + hint)
         _check_positive(num_layers=num_layers, top_k=top_k)
         row_bytes = 4 * num_layers * top_k
         if len(raw) % row_bytes:

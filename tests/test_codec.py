@@ -14,6 +14,7 @@ from capture.codec import (
     decode_routed_experts,
     encode_routed_experts,
     narrowest_dtype,
+    routed_experts_format_of,
 )
 
 FAST = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -277,8 +278,56 @@ def test_unknown_format(fmt):
     t = make_routing(7, 2, 2, 2, 4)
     with pytest.raises(ValueError, match=r"routed_experts_format.*'int32', 'compact'"):
         encode_routed_experts(t, fmt=fmt, num_experts=4)
-    with pytest.raises(ValueError, match="routed_experts_format"):
-        decode_routed_experts("", fmt=fmt, num_layers=2, top_k=2)
+    if fmt is not None:  # decoding with fmt=None reads the format from the payload
+        with pytest.raises(ValueError, match="routed_experts_format"):
+            decode_routed_experts("", fmt=fmt, num_layers=2, top_k=2)
+
+
+# --------------------------------------------------------------------------- format read from the payload
+
+
+@FAST
+@given(routings(), st.integers(0, 2**20))
+def test_decode_without_fmt_reads_compact_header(case, start):
+    # decode_routed_experts(payload): a compact payload carries its shape; nothing else is needed
+    t, num_experts, _ = case
+    s = encode_routed_experts(t, "compact", num_experts=num_experts, start=start)
+    assert routed_experts_format_of(s) is RoutedExpertsFormat.COMPACT
+    assert routed_experts_format_of(s.encode("ascii")) is RoutedExpertsFormat.COMPACT
+    assert torch.equal(decode_routed_experts(s), t.int())
+    assert torch.equal(decode_routed_experts(s.encode("ascii")), t.int())
+    rows, num_layers, top_k = t.shape
+    assert decode_routed_experts(s, num_layers=num_layers, top_k=top_k).shape == t.shape
+    with pytest.raises(ValueError, match=f"num_layers={num_layers}, caller expected {num_layers + 1}"):
+        decode_routed_experts(s, num_layers=num_layers + 1)
+
+
+@FAST
+@given(routings())
+def test_decode_without_fmt_reads_int32_with_the_model_shape(case):
+    t, _, _ = case
+    s = encode_routed_experts(t, "int32")
+    assert routed_experts_format_of(s) is RoutedExpertsFormat.INT32
+    rows, num_layers, top_k = t.shape
+    assert torch.equal(decode_routed_experts(s, num_layers=num_layers, top_k=top_k), t.int())
+
+
+def test_int32_payload_can_never_look_compact():
+    # the magic as a little-endian int32 is an id no model has (ids are < 32768)
+    assert int(np.frombuffer(b"REXC", "<i4")[0]) == 1_129_858_386
+    t = torch.tensor([[[32767, -1], [0, 255]]])
+    assert routed_experts_format_of(encode_routed_experts(t, "int32")) is RoutedExpertsFormat.INT32
+    assert routed_experts_format_of("") is RoutedExpertsFormat.INT32
+    assert routed_experts_format_of("UkVY") is RoutedExpertsFormat.INT32   # 3 bytes: no room for the magic
+
+
+def test_int32_without_shape_names_model_info_and_spots_a_compact_payload():
+    t = make_routing(12, 5, 3, 2, 8)
+    with pytest.raises(ValueError, match=r"needs num_layers and top_k \(/model_info's num_hidden_layers and "
+                                          r"num_experts_per_tok\)$"):
+        decode_routed_experts(encode_routed_experts(t, "int32"))
+    with pytest.raises(ValueError, match="starts with the compact magic"):
+        decode_routed_experts(encode_routed_experts(t, "compact", num_experts=8), "int32")
 
 
 @pytest.mark.parametrize("fmt", ["int32", "compact"])

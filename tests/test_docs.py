@@ -7,79 +7,24 @@
   commands in those blocks (starting servers, sbatch, scripts) are not run here.
 - `localhost:30000` (the documented default address) is rewritten to the test server's address.
 - A block is skipped when the line right before its fence is `<!-- doc-test: skip (reason) -->`
-  (for examples that need a GPU, a cluster or a checkpoint that is not here); the reason is
-  required.
+  (for examples that need a GPU, a cluster or a checkpoint that is not here, or that another
+  test runs in the setting they need); the reason is required.
 """
 from __future__ import annotations
 
 import json
 import os
-import re
 import subprocess
 import sys
 import textwrap
-from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 
+from doc_blocks import blocks, curl_commands
 from server_proc import ROOT, ServerProcess
 
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-SKIP = re.compile(r"^<!--\s*doc-test:\s*skip\s*\((.+)\)\s*-->\s*$")
-FENCE = re.compile(r"^(\s*)```(\w*)\s*$")
 DEFAULT_ADDR = "localhost:30000"
-
-
-@dataclass
-class Block:
-    path: Path
-    line: int          # 1-based line of the opening fence
-    lang: str
-    code: str
-    skip: str | None   # the reason, when marked
-
-
-def blocks(path: Path) -> list[Block]:
-    out, lines, i = [], path.read_text().splitlines(), 0
-    while i < len(lines):
-        m = FENCE.match(lines[i])
-        if not m or not m.group(2):
-            i += 1
-            continue
-        start, indent, body = i, m.group(1), []
-        i += 1
-        while i < len(lines) and not re.match(rf"^{indent}```\s*$", lines[i]):
-            body.append(lines[i][len(indent):] if lines[i].startswith(indent) else lines[i])
-            i += 1
-        prev = lines[start - 1] if start > 0 else ""
-        sm = SKIP.match(prev.strip())
-        if prev.strip().startswith("<!--") and "doc-test" in prev and not sm:
-            raise AssertionError(f"{path}:{start}: malformed doc-test marker {prev!r}; "
-                                 f"use <!-- doc-test: skip (reason) -->")
-        out.append(Block(path, start + 1, m.group(2).lower(), "\n".join(body) + "\n", sm.group(1) if sm else None))
-        i += 1
-    return out
-
-
-def curl_commands(code: str) -> list[str]:
-    """The curl commands of a shell block, with their continuation lines (trailing backslash, or
-    an open single-quoted argument)."""
-    cmds, cur = [], None
-    for line in code.splitlines():
-        if cur is None:
-            if line.strip().startswith("curl "):
-                cur = [line]
-            else:
-                continue
-        else:
-            cur.append(line)
-        text = "\n".join(cur)
-        if not text.rstrip().endswith("\\") and text.count("'") % 2 == 0:
-            cmds.append(text)
-            cur = None
-    assert cur is None, f"unterminated curl command: {cur}"
-    return cmds
 
 
 ALL = [b for p in DOCS for b in blocks(p)]

@@ -40,6 +40,7 @@ def test_configs_in_repo_load():
     ("loss:\n  clip_eps: -1\n", "loss: clip_eps must be >= 0"),
     ("adam_betas: 0.9\n", "adam_betas: expected a list"),
     ("samples_per_prompt: 1\n", "samples_per_prompt: GRPO needs groups of at least 2"),
+    ("loss:\n  kl_coef: 0.1\n", "loss.kl_coef: the GRPO loop has no reference policy to give rl_loss"),
     ("- a\n- b\n", "must be a mapping"),
 ])
 def test_config_errors_name_the_key(tmp_path, text, match):
@@ -59,6 +60,46 @@ def test_config_overrides_and_yaml_float_strings(tmp_path):
         load_train_config(TINY_TEST, ["steps"])
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.steps = 3  # frozen
+
+
+def _all_keys():
+    from trainer_bridge.losses import LossConfig
+    from trainer_bridge.train_config import TrainConfig
+
+    names = [f.name for f in dataclasses.fields(TrainConfig)]
+    at = names.index("loss") + 1
+    loss = [f"loss.{f.name}" for f in dataclasses.fields(LossConfig) if f.name != "temperature"]
+    return names[:at] + loss + names[at:]
+
+
+def test_help_lists_every_config_key_from_the_dataclass(capsys):
+    from trainer_bridge.config_keys import config_keys
+    from trainer_bridge.train import main
+
+    with pytest.raises(SystemExit) as ei:
+        main(["--help"])
+    assert ei.value.code == 0
+    out = capsys.readouterr().out
+    keys = config_keys()
+    assert [k.name for k in keys] == _all_keys()
+    for k in keys:
+        assert f"\n  {k.name} ({k.type}, default {k.default})\n" in out, k.name
+        assert k.help.split()[0] in out.split(f"  {k.name} (", 1)[1], k.name
+    by_name = {k.name: k for k in keys}
+    assert (by_name["server_urls"].type, by_name["server_urls"].default) == ("list of str", "[]")
+    assert (by_name["api_key"].type, by_name["api_key"].default) == ("str or null", "null")
+    assert (by_name["loss.clip_eps_high"].type, by_name["steps"].default) == ("float or null", "20")
+    assert max(len(line) for line in out.splitlines()) <= 110
+
+
+def test_trainer_doc_lists_every_config_key():
+    from trainer_bridge.config_keys import BEGIN, END, keys_markdown
+
+    doc = (ROOT / "docs" / "trainer.md").read_text()
+    table = doc.split(BEGIN, 1)[1].split(END, 1)[0].strip()
+    assert table == keys_markdown(), "stale: python -m trainer_bridge.config_keys --write docs/trainer.md"
+    for name in _all_keys():
+        assert f"| `{name}` |" in table, name
 
 
 # ---- task and data --------------------------------------------------------------------------------
@@ -176,6 +217,53 @@ def _check_steps(result, cfg):
         assert rec["weight_version"] == str(step - 1)
 
 
+def _check_printout(out: str, cfg, result) -> None:
+    """What the loop prints: where the run goes, progress while servers start and the model loads,
+    then one row per step under a header, each under 120 characters."""
+    from trainer_bridge.step_report import step_header, step_line
+
+    lines = out.splitlines()
+    run_dir = Path(cfg.run_dir).resolve()
+    assert lines[0].startswith(f"run directory: {run_dir} ")
+    wandb_line = next(line for line in lines if line.startswith("wandb: "))
+    if cfg.wandb_mode == "offline":
+        path = Path(wandb_line.split()[3])
+        assert path.parent == run_dir / "wandb" and path.name.startswith("offline-run-") and path.is_dir(), wandb_line
+    if not cfg.server_urls:
+        for i in range(cfg.num_servers):
+            assert any(line.startswith(f"  rollout-serve {i}: pid ") and line.endswith(f"server{i}.log)")
+                       for line in lines)
+            assert any(line.startswith(f"  rollout-serve {i}: ready at http://127.0.0.1:") for line in lines)
+    assert any(line.startswith(f"loading the trainer's model from {cfg.model_path}") for line in lines)
+    assert any(line.startswith("trainer ready in ") and line.endswith("M parameters") for line in lines)
+    header = step_header(result.history[0], exact=cfg.exact)
+    assert lines.count(header) == 1 + (len(result.history) - 1) // 20
+    rows = [step_line(rec, exact=cfg.exact) for rec in result.history]
+    assert lines.index(header) < lines.index(rows[0])
+    for row, rec in zip(rows, result.history):
+        assert row in lines and len(row) < 120, row
+        cells = dict(zip(header.split(), row.split()))
+        assert cells["step"] == str(rec["step"]) and cells["reward"] == f"{rec['reward_mean']:.3f}"
+        assert cells["max|dlp|"] == f"{rec['train_rollout_logprob_max_abs_diff']:.3g}"   # rounded outside exact mode
+    step_lines = [line for line in lines if line in rows or line == header]
+    assert all(len(line) < 120 for line in step_lines)
+
+
+@pytest.mark.slow
+def test_loop_prints_where_it_is_and_rows_that_fit(tmp_path, capsys):
+    """Two short steps on one server: the printout from the run directory to the last row."""
+    from trainer_bridge.train import run
+
+    cfg = load_train_config(TINY_TEST, [f"run_dir={tmp_path / 'run'}", "num_servers=1", "steps=2",
+                                        "prompts_per_step=4", "samples_per_prompt=2", "num_eval_prompts=4",
+                                        "num_train_prompts=16", "micro_batch_tokens=256"])
+    result = run(cfg)
+    out = capsys.readouterr().out
+    assert len(result.history) == 2
+    _check_printout(out, cfg, result)
+    assert any(line.startswith("evaluating 4 held-out prompts (greedy)") for line in out.splitlines())
+
+
 def test_grpo_loop_two_servers_replay_vs_no_replay(tmp_path, capsys):
     from trainer_bridge.train import run
 
@@ -201,6 +289,7 @@ def test_grpo_loop_two_servers_replay_vs_no_replay(tmp_path, capsys):
     assert all(d["completed"] > 0 and d["failures"] == 0 for d in result.client_loads.values())
     # progress output, summary table, wandb (offline) and metrics files
     assert "mism(noR)" in out and "held-out reward (greedy)" in out
+    _check_printout(out, cfg, result)
     run_dir = Path(cfg.run_dir)
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     assert len(lines) == cfg.steps and "k3_kl" in json.loads(lines[0])

@@ -19,7 +19,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import httpx
 
@@ -126,8 +126,11 @@ class LocalServers:
 
     SUPERVISE_INTERVAL_S = 0.5
 
+    PROGRESS_EVERY_S = 10.0
+
     def __init__(self, n: int, flags: Sequence[str], *, log_dir: Optional[str] = None,
-                 startup_timeout: float = 300.0, env: Optional[dict] = None, supervise: bool = True):
+                 startup_timeout: float = 300.0, env: Optional[dict] = None, supervise: bool = True,
+                 progress: Optional[Callable[[str], None]] = None):
         if n < 1:
             raise ValueError(f"need at least one server, got {n}")
         self.log_dir = Path(log_dir or tempfile.mkdtemp(prefix="rollout-servers-"))
@@ -136,6 +139,7 @@ class LocalServers:
         self.servers = [LocalServer(flags, self.log_dir / f"server{i}.log", env=env) for i in range(n)]
         self.startup_timeout = startup_timeout
         self.supervise = supervise
+        self.progress = progress
         self._stop = threading.Event()
         self._supervisor: Optional[threading.Thread] = None
 
@@ -144,16 +148,33 @@ class LocalServers:
         return [s.url for s in self.servers]
 
     def start(self) -> "LocalServers":
+        """Starts the servers and waits until each answers /health; with ``progress``, says so as
+        each starts and becomes ready, and every PROGRESS_EVERY_S while any is still loading."""
+        say = self.progress or (lambda _: None)
         try:
-            for s in self.servers:
+            for i, s in enumerate(self.servers):
                 s.spawn()
-            deadline = time.monotonic() + self.startup_timeout
+                say(f"  rollout-serve {i}: pid {s.proc.pid}, loading the model (log: {s.log_path})")
+            t0 = time.monotonic()
+            deadline, next_say = t0 + self.startup_timeout, t0 + self.PROGRESS_EVERY_S
             pending = list(self.servers)
             while pending:
-                pending = [s for s in pending if not s.poll_ready()]
-                if pending and time.monotonic() > deadline:
+                still = []
+                for s in pending:
+                    if s.poll_ready():
+                        say(f"  rollout-serve {self.servers.index(s)}: ready at {s.url} after "
+                            f"{time.monotonic() - t0:.1f}s")
+                    else:
+                        still.append(s)
+                pending = still
+                now = time.monotonic()
+                if pending and now > deadline:
                     raise RuntimeError(f"rollout-serve did not become healthy in {self.startup_timeout}s:\n"
                                        + pending[0].log()[-3000:])
+                if pending and now >= next_say:
+                    next_say = now + self.PROGRESS_EVERY_S
+                    say(f"  waiting for {len(pending)} rollout-serve process(es) to load the model "
+                        f"({now - t0:.0f}s)")
                 if pending:
                     time.sleep(0.1)
         except BaseException:

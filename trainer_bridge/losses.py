@@ -6,7 +6,7 @@ of the same shape); log-probs are fp32 log-probabilities of the target tokens.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Mapping, Optional, Sequence, Union
 
 import torch
@@ -171,14 +171,19 @@ def router_alignment_loss(router_logits: Union[Mapping[int, torch.Tensor], Seque
 
 @dataclass(frozen=True, kw_only=True)
 class LossConfig:
-    clip_eps: float = 0.2
-    clip_eps_high: Optional[float] = None
-    tis_cap: Optional[float] = None
-    kl_coef: float = 0.0
-    entropy_coef: float = 0.0
-    router_align_coef: float = 0.0
-    loss_agg: str = "token-mean"
-    temperature: float = 1.0
+    clip_eps: float = field(default=0.2, metadata={"help": "PPO clip: the ratio is clipped to "
+                                                   "[1 - clip_eps, 1 + clip_eps_high]"})
+    clip_eps_high: Optional[float] = field(default=None, metadata={"help": "upper clip (null: clip_eps)"})
+    tis_cap: Optional[float] = field(default=None, metadata={"help": "truncated importance sampling: each token's "
+                                     "loss times min(train/rollout probability ratio, tis_cap); null: the PPO "
+                                     "ratio is taken against the rollout log-probs"})
+    kl_coef: float = field(default=0.0, metadata={"help": "k3 KL to a reference policy's log-probs "
+                                                  "(python -m trainer_bridge.train has none: 0 there)"})
+    entropy_coef: float = field(default=0.0, metadata={"help": "entropy bonus"})
+    router_align_coef: float = field(default=0.0, metadata={"help": "router alignment loss toward the replayed "
+                                     "experts, from the router logits (python -m trainer_bridge.train: 0)"})
+    loss_agg: str = field(default="token-mean", metadata={"help": f"aggregation, one of {', '.join(LOSS_AGGS)}"})
+    temperature: float = field(default=1.0, metadata={"help": "divides the logits (the rollout temperature)"})
 
     def __post_init__(self):
         if self.loss_agg not in LOSS_AGGS:

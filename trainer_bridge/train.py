@@ -43,11 +43,13 @@ from .losses import grpo_advantages
 from .metrics import step_metrics
 from .policy_trainer import PolicyTrainer
 from .sample import Sample
-from .step_report import step_line, step_table
+from .step_report import step_header, step_line, step_table
 from .train_config import TrainConfig, load_train_config
 from .weight_sync import make_weight_sync
 
 __all__ = ["PolicyTrainer", "TrainResult", "Hooks", "run", "run_async", "main", "load_reward"]
+
+_HEADER_EVERY = 20   # steps between repeats of the step rows' header
 
 
 # ---- reward ------------------------------------------------------------------------------------
@@ -112,15 +114,26 @@ class _Wandb:
         self.run = wandb.init(project=config.wandb_project, mode=config.wandb_mode, dir=config.run_dir,
                               config=config.to_dict(), reinit="finish_previous")
 
+    def where(self, config: TrainConfig) -> str:
+        """Where this run's wandb data goes, for the start of the printout."""
+        if self.run is None:
+            why = "disabled" if config.wandb_mode == "disabled" else "not installed"
+            return f"wandb: {why} (every step's metrics are in run_dir/metrics.jsonl)"
+        if config.wandb_mode == "offline":
+            path = Path(self.run.dir).parent
+            return f"wandb: offline run {path} (`wandb sync` it to upload)"
+        return f"wandb: {self.run.url or self.run.dir}"
+
     def log(self, metrics: dict, step: int) -> None:
         if self.run is not None:
             self.run.log({k: v for k, v in metrics.items() if isinstance(v, (int, float))}, step=step)
 
-    def finish(self, summary: dict) -> None:
+    def finish(self, summary: dict, exit_code: int = 0) -> None:
         if self.run is not None:
             for k, v in summary.items():
                 self.run.summary[k] = v
-            self.run.finish()
+            self.run.finish(exit_code=exit_code)
+            self.run = None
 
 
 def _server_flags(config: TrainConfig) -> list[str]:
@@ -157,9 +170,6 @@ async def run_async(config: TrainConfig, *, hooks: Optional[Hooks] = None, serve
                     log: Callable[[str], None] = print) -> TrainResult:
     """The GRPO loop; ``servers`` (already started) are used when given, else ``config.server_urls``,
     else ``config.num_servers`` local servers are started (and stopped at the end)."""
-    from transformers import AutoTokenizer
-    from tqdm.auto import tqdm
-
     hooks = hooks or Hooks()
     t_start = time.perf_counter()
     _quiet_libraries()
@@ -167,6 +177,21 @@ async def run_async(config: TrainConfig, *, hooks: Optional[Hooks] = None, serve
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.json").write_text(json.dumps(config.to_dict(), indent=2, default=str))
     (run_dir / "metrics.jsonl").write_text("")  # one run per run_dir: start the file afresh
+    log(f"run directory: {run_dir.resolve()} (config.json, metrics.jsonl, summary.json, server-logs/)")
+    wb = _Wandb(config)
+    log(wb.where(config))
+    try:
+        return await _run(config, hooks, servers, log, wb, run_dir, t_start)
+    except BaseException:
+        wb.finish({}, exit_code=1)
+        raise
+
+
+async def _run(config: TrainConfig, hooks: Hooks, servers: Optional[LocalServers], log: Callable[[str], None],
+               wb: _Wandb, run_dir: Path, t_start: float) -> TrainResult:
+    from transformers import AutoTokenizer
+    from tqdm.auto import tqdm
+
     torch.manual_seed(config.seed)
     tok = AutoTokenizer.from_pretrained(config.model_path)
     eos_id = tok.eos_token_id
@@ -195,10 +220,10 @@ async def run_async(config: TrainConfig, *, hooks: Optional[Hooks] = None, serve
         Path(config.resolved_sync_dir).mkdir(parents=True, exist_ok=True)
         log(f"starting {config.num_servers} rollout-serve process(es) ({config.server_dtype}) ...")
         own_servers = servers = await asyncio.to_thread(
-            LocalServers(config.num_servers, _server_flags(config), log_dir=str(run_dir / "server-logs")).start)
+            LocalServers(config.num_servers, _server_flags(config), log_dir=str(run_dir / "server-logs"),
+                         progress=log).start)
     urls = servers.urls if servers is not None else list(config.server_urls)
     result = TrainResult()
-    wb = None
     try:
         client = RolloutClient(urls, api_key=config.api_key, admin_api_key=config.admin_api_key,
                                routing_format=config.routing_format, stream=config.stream)
@@ -206,15 +231,22 @@ async def run_async(config: TrainConfig, *, hooks: Optional[Hooks] = None, serve
             await stack.enter_async_context(client)
             log(f"servers: {', '.join(urls)}; model {client.info.architecture}: {client.info.num_layers} layers, "
                 f"{client.info.num_experts} experts, top-{client.info.top_k}")
+            log(f"loading the trainer's model from {config.model_path} (DeepSpeed ZeRO-{config.zero_stage}"
+                f"{', exact mode' if config.exact else ''}) ...")
+            t0 = time.perf_counter()
             trainer = await asyncio.to_thread(PolicyTrainer, config, eos_id=eos_id)
+            n_params = sum(p.numel() for p in trainer.model.parameters())
+            log(f"trainer ready in {time.perf_counter() - t0:.1f}s: {n_params / 1e6:.2f}M parameters")
             sync = make_weight_sync(config.weight_sync, client, sync_dir=config.resolved_sync_dir)
             stack.push_async_callback(sync.close)  # NOTE: before the client closes (LIFO)
-            wb = _Wandb(config)
             version = 0
             # NOTE: servers started by this loop begin at weight_version "0"; ones we connect to are
             # brought in line by pushing the trainer's (identical) weights first.
             if own_servers is None:
+                log(f"pushing the trainer's weights to {len(urls)} server(s) (weight_sync={config.weight_sync}) ...")
                 await sync.push(trainer.named_weights(), str(version))
+            if eval_prompts:
+                log(f"evaluating {len(eval_prompts)} held-out prompts (greedy) ...")
             eval_reward = await _evaluate(client, eval_prompts, eval_records, reward_fn, decode, config, "0")
             result.evals.append((0, eval_reward))
             log(f"held-out reward before training: {eval_reward:.3f} ({len(eval_prompts)} prompts, greedy)")
@@ -270,11 +302,14 @@ async def run_async(config: TrainConfig, *, hooks: Optional[Hooks] = None, serve
                     f.write(json.dumps({k: v for k, v in rec.items()}, default=str) + "\n")
                 bar.set_postfix(reward=f"{rec['reward_mean']:.3f}", mismatch=f"{rec['routing_mismatch_rate']:.3f}",
                                 refresh=False)
-                line = step_line(rec, exact=config.exact)
-                if config.progress:
-                    tqdm.write(line, file=sys.stdout)
-                else:
-                    log(line)
+                lines = [step_line(rec, exact=config.exact)]
+                if (step - 1) % _HEADER_EVERY == 0:
+                    lines.insert(0, step_header(rec, exact=config.exact))
+                for line in lines:
+                    if config.progress:
+                        tqdm.write(line, file=sys.stdout)
+                    else:
+                        log(line)
                 if hooks.on_step:
                     hooks.on_step(step, rec)
             bar.close()
@@ -285,8 +320,7 @@ async def run_async(config: TrainConfig, *, hooks: Optional[Hooks] = None, serve
     result.wall_s = time.perf_counter() - t_start
     summary = result.summary()
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-    if wb is not None:
-        wb.finish(summary)
+    wb.finish(summary)
     log("\n" + step_table(result.history, exact=config.exact))
     if result.evals:
         log("held-out reward (greedy): " + ", ".join(f"step {s}: {r:.3f}" for s, r in result.evals))
@@ -301,7 +335,10 @@ def run(config: TrainConfig, **kw) -> TrainResult:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m trainer_bridge.train", description=__doc__.split("\n\n")[0])
+    from .config_keys import keys_help
+
+    ap = argparse.ArgumentParser(prog="python -m trainer_bridge.train", description=__doc__.split("\n\n")[0],
+                                 epilog=keys_help(), formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", required=True, help="YAML file (e.g. configs/train/tiny.yaml)")
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                     help="override a config key (repeatable), e.g. --set steps=5 --set loss.clip_eps=0.3")

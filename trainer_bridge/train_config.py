@@ -30,56 +30,73 @@ class ConfigError(ValueError):
     pass
 
 
+def _key(default: Any = dataclasses.MISSING, *, help: str, factory: Any = dataclasses.MISSING) -> Any:
+    """A TrainConfig field and its help text: ``python -m trainer_bridge.train --help`` and the key
+    table of docs/trainer.md are generated from these (trainer_bridge/config_keys.py)."""
+    return field(default=default, default_factory=factory, metadata={"help": help})
+
+
 @dataclass(frozen=True, kw_only=True)
 class TrainConfig:
     # ---- model and servers
-    model_path: str = "configs/tiny-moe"
-    server_urls: tuple[str, ...] = ()       # connect to running servers; empty: start num_servers
-    num_servers: int = 2
-    server_dtype: str = "bfloat16"
-    server_flags: tuple[str, ...] = ()      # extra rollout-serve flags for started servers
-    server_kv_cache_bytes: int = 64 * 2**20
-    api_key: Optional[str] = None
-    admin_api_key: Optional[str] = None
-    routing_format: str = "compact"
-    stream: bool = False
+    model_path: str = _key("configs/tiny-moe", help="checkpoint directory the servers serve and the trainer trains "
+                           "(config.json, weights, tokenizer)")
+    server_urls: tuple[str, ...] = _key((), help="running rollout-serve URLs to use (the trainer's weights are pushed "
+                                        "to them first); empty: start num_servers local servers")
+    num_servers: int = _key(2, help="local rollout-serve processes to start when server_urls is empty")
+    server_dtype: str = _key("bfloat16", help=f"dtype of the started servers, one of {', '.join(SERVER_DTYPES)} "
+                             "(exact mode: float32)")
+    server_flags: tuple[str, ...] = _key((), help="extra rollout-serve flags for the started servers, "
+                                         "e.g. [--max-running-requests, '64']")
+    server_kv_cache_bytes: int = _key(64 * 2**20, help="KV cache bytes of each started server (--kv-cache-bytes)")
+    api_key: Optional[str] = _key(None, help="the servers' --api-key (given to started servers too)")
+    admin_api_key: Optional[str] = _key(None, help="the servers' --admin-api-key (weight pushes, pause, flush)")
+    routing_format: str = _key("compact", help=f"routing wire format asked for, one of {', '.join(ROUTING_FORMATS)}")
+    stream: bool = _key(False, help="stream the generations (SSE) instead of one answer per request")
     # ---- task and data
-    task: Optional[str] = "arithmetic"      # writes the embedded task's JSONL files into run_dir
-    train_files: tuple[str, ...] = ()       # JSON/JSONL/parquet prompt files (instead of task)
-    eval_files: tuple[str, ...] = ()
-    prompt_key: str = "prompt"
-    reward: str = "trainer_bridge.task:arithmetic_reward"   # "module:function"(response_text, record)
-    num_train_prompts: int = 4096
-    num_eval_prompts: int = 128
-    eval_every: int = 5
-    eval_max_new_tokens: int = 8
+    task: Optional[str] = _key("arithmetic", help="arithmetic: write the embedded task's train and eval JSONL into "
+                               "run_dir/data; null: read train_files")
+    train_files: tuple[str, ...] = _key((), help="JSON / JSONL / parquet prompt files (with task: null)")
+    eval_files: tuple[str, ...] = _key((), help="held-out prompt files (with task: null)")
+    prompt_key: str = _key("prompt", help="the field holding the prompt text in the data files")
+    reward: str = _key("trainer_bridge.task:arithmetic_reward", help="'module:function', called as "
+                       "function(response_text, record) -> float")
+    num_train_prompts: int = _key(4096, help="training prompts the embedded task writes")
+    num_eval_prompts: int = _key(128, help="held-out prompts scored (greedy); 0: no evaluation")
+    eval_every: int = _key(5, help="held-out reward every N steps (0: only before and after training)")
+    eval_max_new_tokens: int = _key(8, help="max new tokens of the held-out generations")
     # ---- rollout
-    steps: int = 20
-    prompts_per_step: int = 32
-    samples_per_prompt: int = 8
-    max_new_tokens: int = 8
-    temperature: float = 1.0
-    top_p: float = 1.0
+    steps: int = _key(20, help="GRPO steps")
+    prompts_per_step: int = _key(32, help="prompts per step")
+    samples_per_prompt: int = _key(8, help="samples per prompt: the GRPO group (at least 2)")
+    max_new_tokens: int = _key(8, help="max new tokens per rollout")
+    temperature: float = _key(1.0, help="sampling temperature of the rollouts (the loss's log-probs use it too)")
+    top_p: float = _key(1.0, help="nucleus sampling of the rollouts, in (0, 1]")
     # ---- training
-    exact: bool = False                     # exact on-policy: deterministic servers + exact-mode trainer
-    router_replay: bool = True
-    compare_no_replay: bool = True          # also measure live routing on the same rollouts
-    lr: float = 5e-4
-    weight_decay: float = 0.0
-    adam_betas: tuple[float, ...] = (0.9, 0.99)
-    grad_clip: float = 1.0
-    zero_stage: int = 1
-    micro_batch_tokens: int = 4096
-    loss: LossConfig = field(default_factory=LossConfig)
+    exact: bool = _key(False, help="exact on-policy: deterministic servers and the exact-mode trainer "
+                       "(float32; max|dlp| is 0 every step)")
+    router_replay: bool = _key(True, help="train with the rollout's routed experts (R3); false: live routing")
+    compare_no_replay: bool = _key(True, help="also measure a live-routing forward on the same rollouts "
+                                   "(the no_replay/... metrics)")
+    lr: float = _key(5e-4, help="AdamW learning rate")
+    weight_decay: float = _key(0.0, help="AdamW weight decay")
+    adam_betas: tuple[float, ...] = _key((0.9, 0.99), help="AdamW betas, two numbers in [0, 1)")
+    grad_clip: float = _key(1.0, help="gradient norm clip (0: none)")
+    zero_stage: int = _key(1, help="DeepSpeed ZeRO stage: 0, 1 or 2")
+    micro_batch_tokens: int = _key(4096, help="tokens per packed micro-batch (gradients accumulate over them)")
+    loss: LossConfig = _key(factory=LossConfig, help="the loss settings: the loss.* keys")
     # ---- weight sync
-    weight_sync: str = "tensor"
-    sync_dir: Optional[str] = None          # disk sync: a directory the servers can read (default: run_dir/weights)
+    weight_sync: str = _key("tensor", help="how new weights reach the servers: disk (safetensors in sync_dir, "
+                            "then /update_weights_from_disk), tensor (safetensors over HTTP) or distributed "
+                            "(a torch.distributed broadcast)")
+    sync_dir: Optional[str] = _key(None, help="disk sync: a directory the servers can read (null: run_dir/weights)")
     # ---- run
-    seed: int = 0
-    run_dir: str = "runs/tiny"
-    wandb_project: str = "rollout-grpo"
-    wandb_mode: str = "offline"
-    progress: bool = True
+    seed: int = _key(0, help="seed of the data order, the rollouts and the trainer")
+    run_dir: str = _key("runs/tiny", help="the run's directory: config.json, metrics.jsonl, summary.json, "
+                        "server-logs/, wandb/ (one run per directory)")
+    wandb_project: str = _key("rollout-grpo", help="wandb project")
+    wandb_mode: str = _key("offline", help="wandb mode: offline, online or disabled")
+    progress: bool = _key(True, help="a progress bar on a terminal (the step lines print either way)")
 
     def __post_init__(self):
         def need(cond: bool, key: str, msg: str):
@@ -107,6 +124,10 @@ class TrainConfig:
         need(self.task in (None, "arithmetic"), "task", "must be 'arithmetic' or null (then give train_files)")
         if self.task is None:
             need(bool(self.train_files), "train_files", "must name prompt files when task is null")
+        for key, what in (("kl_coef", "reference policy"), ("router_align_coef", "router logits")):
+            if getattr(self.loss, key) != 0:
+                raise ConfigError(f"loss.{key}: the GRPO loop has no {what} to give rl_loss; must be 0 here, "
+                                  f"got {getattr(self.loss, key)!r}")
         if self.exact and self.server_dtype != "float32":
             raise ConfigError(f"server_dtype: exact mode needs the trainer's dtype on the servers (float32), "
                               f"got {self.server_dtype!r}")

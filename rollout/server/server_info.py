@@ -55,7 +55,10 @@ class ServerInfo:
             "model_path": e.model_path, "tokenizer_path": e.tokenizer_path or e.model_path,
             "served_model_name": a.model_name, "host": a.host, "port": a.port, "dtype": e.dtype, "device": e.device,
             "tp_size": 1, "pp_size": 1, "dp_size": e.dp_size, "ep_size": e.dp_size,
-            "enable_dp_attention": e.dp_size > 1, "enable_memory_saver": e.dp_size == 1,
+            "enable_dp_attention": e.dp_size > 1,
+            # NOTE: SGLang's default; slime's external-engine start-up requires it equal to its
+            # --offload-rollout (false unless given). /release_memory_occupation works either way.
+            "enable_memory_saver": False,
             "enable_return_routed_experts": e.enable_return_routed_experts,
             "context_length": self.engine.context_length, "max_running_requests": e.max_running_requests,
             "max_total_tokens": self.engine.kv_capacity, "chunked_prefill_size": e.chunked_prefill_size or -1,

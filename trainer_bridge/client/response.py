@@ -10,16 +10,13 @@ from .errors import SampleError, _Aborted, _ServerFailed
 from .model_info import ModelInfo
 from .request import Request
 
-_COMPACT_B64 = "UkVYQ"  # base64 of the compact format's magic b"REXC" (never valid int32 expert ids)
-
 
 def decode_routing(s: str, info: ModelInfo, rid: str, url: str) -> torch.Tensor:
     """A ``routed_experts`` string -> ``[rows, num_layers, top_k]`` int32."""
     try:
-        # NOTE: by content, not by the format asked for: a server that ignores
-        # routed_experts_format (real SGLang) answers int32
-        fmt = "compact" if s.startswith(_COMPACT_B64) else "int32"
-        return decode_routed_experts(s, fmt, num_layers=info.num_layers, top_k=info.top_k)
+        # NOTE: fmt=None reads the format from the payload, not from what was asked for: a server
+        # that ignores routed_experts_format (real SGLang) answers int32
+        return decode_routed_experts(s, num_layers=info.num_layers, top_k=info.top_k)
     except ValueError as exc:
         raise SampleError(f"sample {rid!r} from {url}: undecodable routed_experts: {exc}") from None
 
