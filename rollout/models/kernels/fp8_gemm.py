@@ -4,9 +4,11 @@ the definitions of rollout/models/kernels/fp8_reference.py (its *_reference func
 The quantizer is bitwise the reference (torch's x / scale, clamp, round-to-nearest-even cast): the
 divisions are IEEE (div_rn, not Triton's default approximate fp32 `/`) and the rounding to the e4m3
 grid is done in fp32 before the cast (_round_e4m3), so the cast itself is exact. The GEMM folds one
-k-block (BLOCK_K = bk) per step: acc += dot(x_fp8, w_fp8) * x_scale * w_scale. On sm_90 the fp8 dot
-accumulates inside the block with the tensor cores' reduced precision (Triton's default there, as
-SGLang and DeepSeek-V3's recipe: promoted to fp32 once per 128-wide block).
+k-block (BLOCK_K = bk) per step: acc += dot(x_fp8, w_fp8) * x_scale * w_scale. On sm_90 a 64-row tile
+runs Hopper's fp8 wgmma, which accumulates inside the block with reduced precision (Triton's default
+there, as in SGLang; promoted to fp32 once per block, DeepSeek-V3's recipe); 16- and 32-row tiles
+widen fp8 to f16 (exact) for mma.sync with fp32 accumulation. So the default mode's numerics follow
+M (its tile); deterministic mode keeps 16-row tiles whatever M.
 
 Triton is imported by this module: import it only where the triton backend is chosen.
 """
@@ -98,6 +100,11 @@ def _gemm_kernel(x_ptr, xs_ptr, w_ptr, ws_ptr, out_ptr, M, N, K, group_n,
              mask=m_ok[:, None] & n_ok[None, :])
 
 
+def num_warps(block_m: int) -> int:
+    """Warps of a GEMM program: 8 for 64-row tiles (Hopper's fp8 wgmma; 4 spill there), else 4."""
+    return 8 if block_m >= 64 else 4
+
+
 def check_block(block: tuple[int, int]) -> tuple[int, int]:
     """(bn, bk): bk is a kernel tile (a power of two, at least 16: tl.dot's smallest K)."""
     bn, bk = block
@@ -158,7 +165,8 @@ def w8a8_block_fp8_matmul(x_fp8: torch.Tensor, x_scales: torch.Tensor, w_fp8: to
         x_fp8, x_scales, w_fp8, w_scale_inv, out, m, n, k, bn,
         x_fp8.stride(0), x_fp8.stride(1), x_scales.stride(0), x_scales.stride(1),
         w_fp8.stride(0), w_fp8.stride(1), w_scale_inv.stride(0), w_scale_inv.stride(1), out.stride(0), out.stride(1),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=bk, ROWWISE=deterministic and x_fp8.device.type == "cpu")
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=bk, ROWWISE=deterministic and x_fp8.device.type == "cpu",
+        num_warps=num_warps(block_m))
     return out
 
 

@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from rollout.exact import sum_slots
-from rollout.models.kernels.fp8_gemm import (EXACT_BLOCK_M, _dot8, _quantize_rows, check_block,
+from rollout.models.kernels.fp8_gemm import (EXACT_BLOCK_M, _dot8, _quantize_rows, check_block, num_warps,
                                              quantize_fp8_per_token_group)
 from rollout.models.kernels.fp8_reference import DEFAULT_BLOCK, FP8_DTYPE, FP8_EPS, FP8_MAX, cdiv, check_moe_fp8
 from rollout.models.kernels.fused_moe import _block_m, _block_rows
@@ -62,7 +62,8 @@ def _gate_up_kernel(xq_ptr, xs_ptr, w_ptr, ws_ptr, hq_ptr, hs_ptr, pairs_ptr, bl
         su = tl.load(s_up + kb * stride_sk, mask=n_ok, other=0.0)
         acc_gate += _dot8(a, w_gate, ROWWISE) * a_s[:, None] * sg[None, :]
         acc_up += _dot8(a, w_up, ROWWISE) * a_s[:, None] * su[None, :]
-    h = acc_gate / (1.0 + tl.exp(-acc_gate)) * acc_up                                  # silu(gate) * up
+    # silu(gate) * up; NOTE: IEEE division (Triton's fp32 `/` is div.full, 2 ulp)
+    h = tl.math.div_rn(acc_gate, 1.0 + tl.exp(-acc_gate)) * acc_up
     h = tl.where(n_ok[None, :], h, 0.0)                                                # a partial last group
     hq, hs = _quantize_rows(h, eps, FP8_MAX)
     tl.store(hq_ptr + pair[:, None] * stride_hq + n[None, :], hq, mask=row_ok[:, None] & n_ok[None, :])
@@ -128,8 +129,10 @@ def _down_terms_kernel(hq_ptr, hs_ptr, w_ptr, ws_ptr, terms_ptr, pairs_ptr, bloc
         stride_hq, stride_hs, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
         BLOCK_M, BLOCK_N, BLOCK_K, ROWWISE)
     out_ty = terms_ptr.dtype.element_ty
-    weight = tl.load(weights_ptr + pair, mask=row_ok, other=0.0).to(out_ty)            # [M]
-    term = acc.to(out_ty) * weight[:, None]
+    weight = tl.load(weights_ptr + pair, mask=row_ok, other=0.0).to(out_ty).to(tl.float32)   # [M]
+    # y rounded to out_ty times the weight in out_ty, rounded once (exact in fp32 for bf16 / fp16 operands)
+    # NOTE: not out_ty arithmetic: the interpreter multiplies bf16 wrongly
+    term = acc.to(out_ty).to(tl.float32) * weight[:, None]
     # NOTE: row `pair` = token * top_k + slot of the [N, K, H] buffer: one writer per element
     tl.store(terms_ptr + pair[:, None] * stride_t + n[None, :], term.to(out_ty), mask=row_ok[:, None] & n_ok[None, :])
 
@@ -161,7 +164,8 @@ def fp8_moe_gate_up(x_fp8: torch.Tensor, x_scales: torch.Tensor, w13: torch.Tens
         num_pairs, top_k, hidden, inter, cdiv(inter, bn), bn, float(FP8_EPS),
         x_fp8.stride(0), x_scales.stride(0), w13.stride(0), w13.stride(1), w13.stride(2),
         w13_scale_inv.stride(0), w13_scale_inv.stride(1), w13_scale_inv.stride(2), h_fp8.stride(0), h_scales.stride(0),
-        BLOCK_M=blocks.block_m, BLOCK_N=bk, BLOCK_K=bk, ROWWISE=rowwise, FP8_MAX=FP8_MAX)
+        BLOCK_M=blocks.block_m, BLOCK_N=bk, BLOCK_K=bk, ROWWISE=rowwise, FP8_MAX=FP8_MAX,
+        num_warps=num_warps(blocks.block_m))
     return h_fp8, h_scales
 
 
@@ -179,7 +183,8 @@ def fp8_moe_down(h_fp8: torch.Tensor, h_scales: torch.Tensor, w2: torch.Tensor, 
     dev = h_fp8.device
     assert h_fp8.stride(1) == 1 and h_scales.stride(1) == 1, (h_fp8.stride(), h_scales.stride())
     grid = (blocks.block_expert.numel(), cdiv(hidden, _down_tile(dev, hidden)))
-    common = dict(BLOCK_M=blocks.block_m, BLOCK_N=_down_tile(dev, hidden), BLOCK_K=bk)
+    common = dict(BLOCK_M=blocks.block_m, BLOCK_N=_down_tile(dev, hidden), BLOCK_K=bk,
+                  num_warps=num_warps(blocks.block_m))
     weights = topk_weights.contiguous()
     if deterministic or per_slot:
         terms = torch.zeros((num_tokens, top_k, hidden), dtype=out_dtype, device=dev)     # [N, K, H]
