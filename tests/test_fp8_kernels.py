@@ -501,9 +501,10 @@ def test_fused_moe_gpu(n, hidden, inter):
 def compile_all() -> list[str]:
     """Every FP8 kernel compiled for sm_90 as a launch at a real shape specializes it (strides of 1 become
     constants, pointers and sizes divisible by 16 are marked so), with the wrapper's num_warps. PTX
-    checks: IEEE divisions where h or x is quantized (no div.full / approx); the GEMMs on tensor cores
-    reading fp8 (wgmma e4m3 for 64-row tiles; below, fp8 widened exactly to f16 for mma.sync); their
-    fp8 tiles loaded by cp.async (pipelined), never byte by byte; relaxed atomics in the down kernel."""
+    checks: IEEE divisions where h or x is quantized (no div.full / approx) and the subnormal rounding's
+    add and subtract of 2^14 kept; the GEMMs on tensor cores reading fp8 (wgmma e4m3 for 64-row tiles;
+    below, fp8 widened exactly to f16 for mma.sync), their fp8 tiles loaded by cp.async (pipelined),
+    never byte by byte; relaxed atomics in the down kernel."""
     import re
 
     import triton
@@ -533,6 +534,11 @@ def compile_all() -> list[str]:
             bad = [line for line in lines
                    if line.startswith("div.") and not line.startswith(("div.rn.", "div.s", "div.u"))]
             assert not bad, f"{label}: inexact divisions {bad[:3]}"
+            # the subnormal rounding's (|v| + 2^14) - 2^14 must survive compilation
+            plus = [line for line in lines if line.startswith("add.f32") and "0f46800000" in line]
+            minus = [line for line in lines if (line.startswith("add.f32") and "0fC6800000" in line)
+                     or (line.startswith("sub.f32") and "0f46800000" in line)]
+            assert plus and len(minus) == len(plus), f"{label}: 2^14 rounding folded ({len(plus)}, {len(minus)})"
         found = [line for line in lines if line.startswith(("atom.", "red."))]
         if atomics:
             assert found and all(".relaxed" in a and "acq_rel" not in a for a in found), f"{label}: {found[:3]}"
