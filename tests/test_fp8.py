@@ -208,3 +208,21 @@ def test_get_weights_by_name_reads_the_dequantized_weight(fp8_path):
     for name in ("model.layers.1.self_attn.q_proj.weight", "model.layers.2.mlp.experts.5.gate_proj.weight"):
         got = torch.tensor(read_hf_weight(model, name, 1000))
         assert torch.equal(got, want[name])
+
+
+@pytest.mark.gpu
+def test_gpu_w8a8_logits_close_to_w8a16(fp8_path):
+    """On CUDA an FP8 block-scaled checkpoint runs W8A8 (activations quantized per token group,
+    the Triton block-scaled GEMM and FP8 fused MoE); its logits stay within the activation
+    quantization's error of the CPU's W8A16 ones."""
+    from rollout.models.moe.block import set_moe_backend
+
+    path = fp8_path("qwen3_moe")
+    seq = random_prompts(9, [24])[0]
+    cpu, _ = load_model(path, torch.float32)
+    want = prefill_decode_logits(cpu, seq)
+    gpu, _ = load_model(path, torch.float32, device="cuda")
+    set_moe_backend(gpu, "triton")
+    got = prefill_decode_logits(gpu, seq).cpu()
+    rel = ((got - want).pow(2).mean() / want.pow(2).mean()).sqrt()
+    assert rel < 2 ** -5, rel

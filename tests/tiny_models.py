@@ -135,14 +135,16 @@ def prefill_decode_logits(model, seq: list[int]) -> torch.Tensor:
     from rollout.batch.kv_pool import KVPool
 
     info = model.info
+    device = model.model.embed_tokens.weight.device
     pool = KVPool(num_slots=96, num_layers=info.num_hidden_layers, num_kv_heads=info.num_kv_heads,
-                  head_dim=info.head_dim, dtype=torch.float32, latent_dim=info.kv_latent_dim)
+                  head_dim=info.head_dim, dtype=torch.float32, latent_dim=info.kv_latent_dim, device=device)
     slots = pool.alloc(len(seq))
     n = len(seq)
     cuts = (0, 9, n - 3, n - 2, n - 1, n)
     got = []
     for lo, hi in zip(cuts, cuts[1:]):
-        fb = ForwardBatch.build(input_ids=seq[lo:hi], out_cache_loc=slots[lo:hi], prefix_lens=[lo],
-                                extend_lens=[hi - lo], kv_indices=slot_table([slots[:hi]]), kv_pool=pool)
+        fb = ForwardBatch.build(input_ids=seq[lo:hi], out_cache_loc=slots[lo:hi].to(device), prefix_lens=[lo],
+                                extend_lens=[hi - lo], kv_indices=slot_table([slots[:hi]]).to(device), kv_pool=pool,
+                                device=device)
         got.append(model(fb, return_all_logits=True))
     return torch.cat(got)

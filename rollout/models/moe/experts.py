@@ -278,6 +278,8 @@ class FusedExperts(nn.Module):
                               lo: int, hi: int, per_slot: bool = False) -> torch.Tensor:
         from rollout.models.kernels.fused_moe_exact import fused_moe_exact  # noqa: PLC0415  (triton only when chosen)
 
+        if self._w8a8(x):
+            return self._forward_fp8(x, topk_weights, topk_ids, lo, hi, deterministic=True, per_slot=per_slot)
         w13, w2, b13, b2 = self._held(lo, hi, x.dtype)
         return fused_moe_exact(x, w13, w2, topk_weights, topk_ids, lo, per_slot=per_slot, **self._bias_kw(b13, b2))
 
@@ -292,8 +294,24 @@ class FusedExperts(nn.Module):
                         lo: int, hi: int) -> torch.Tensor:
         from rollout.models.kernels.fused_moe import fused_moe  # noqa: PLC0415  (triton only when chosen)
 
+        if self._w8a8(x):
+            return self._forward_fp8(x, topk_weights, topk_ids, lo, hi)
         w13, w2, b13, b2 = self._held(lo, hi, x.dtype)
         return fused_moe(x, w13, w2, topk_weights, topk_ids, lo, **self._bias_kw(b13, b2))
+
+    def _w8a8(self, x: torch.Tensor) -> bool:
+        """The FP8 fused MoE (W8A8, activations quantized per token group): CUDA, block scales, no biases."""
+        return x.is_cuda and self.fp8 is not None and self.fp8.granularity == "block" and self.b13 is None
+
+    def _forward_fp8(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, lo: int, hi: int,
+                     deterministic: bool = False, per_slot: bool = False) -> torch.Tensor:
+        from rollout.models.kernels.fused_moe_fp8 import fused_moe_fp8  # noqa: PLC0415  (triton only when chosen)
+
+        first, num = lo - self.expert_lo, hi - lo
+        held = {n: getattr(self, n)[first:first + num] for n in ("w13", "w2")}
+        scales = {n: self.scale_of(n)[first:first + num] for n in ("w13", "w2")}
+        return fused_moe_fp8(x, held["w13"], scales["w13"], held["w2"], scales["w2"], topk_weights, topk_ids, lo,
+                             self.fp8.block, deterministic=deterministic, per_slot=per_slot)
 
     def _forward_dense(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                        lo: int, hi: int) -> torch.Tensor:

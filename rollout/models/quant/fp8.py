@@ -12,8 +12,11 @@ Which modules are FP8 follows the checkpoint: a linear is FP8 when the checkpoin
 Online quantization (`quantization="fp8"` on a float checkpoint) uses blocks of 128 x 128 for
 every linear and expert weight but the router, the norms, the embeddings and the lm_head.
 
-Numerics: on every device the weight is dequantized into the compute dtype and multiplied
-(W8A16); the weights stay in FP8 in memory (half of bf16's bytes).
+Numerics: on CPU (and for per-channel / per-tensor scales) the weight is dequantized into the
+compute dtype and multiplied (W8A16); on CUDA, block-scaled weights run W8A8 as SGLang does: the
+activations quantized per token group of the block's width (dynamic), the Triton block-scaled GEMM
+(kernels/fp8_gemm.py) and the FP8 fused MoE (kernels/fused_moe_fp8.py). The weights stay in FP8
+in memory (half of bf16's bytes).
 """
 from __future__ import annotations
 
@@ -176,6 +179,12 @@ class Fp8Linear(nn.Module):
         return dequantize(self.weight, self.scale, self.scheme, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda and self.scheme.granularity == "block":
+            # W8A8: activations quantized per token group of the block's width, block-scaled GEMM
+            from rollout.models.kernels.fp8_gemm import apply_w8a8_block_fp8_linear  # noqa: PLC0415
+
+            return apply_w8a8_block_fp8_linear(x, self.weight, self.scale, self.scheme.block, self.bias,
+                                               deterministic=self.exact)
         w = self.dense_weight(x.dtype)
         return (exact_ops.linear if self.exact else F.linear)(x, w, self.bias)
 
