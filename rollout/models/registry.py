@@ -8,6 +8,8 @@ from pathlib import Path
 
 import torch
 
+from rollout.config.model_dir import check_model_dir
+
 # architectures[0] -> "module:Class" (imported lazily: the model modules import ModelInfo from here)
 _ARCHITECTURES = {
     "Qwen3MoeForCausalLM": "rollout.models.arch.qwen3_moe:Qwen3MoeForCausalLM",
@@ -62,10 +64,9 @@ def model_class(architecture: str) -> type:
 
 def read_config(model_path: str | Path) -> tuple[dict, dict | None]:
     """(config.json, generation_config.json or None) of a checkpoint directory."""
+    check_model_dir(str(model_path))
     path = Path(model_path)
     cfg_file = path / "config.json"
-    if not cfg_file.is_file():
-        raise ValueError(f"no config.json in model path {str(path)!r}")
     cfg = json.loads(cfg_file.read_text())
     gen_file = path / "generation_config.json"
     gen = json.loads(gen_file.read_text()) if gen_file.is_file() else None
