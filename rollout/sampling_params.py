@@ -2,27 +2,15 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
 from rollout.stop_pattern import compile_stop_pattern
+from rollout.value_range import check_choice, check_range
 
 GREEDY_TEMPERATURE = 1e-6  # temperatures below this mean greedy (SGLang's convention)
 LOGPROB_MODES = ("raw", "scaled", "processed")
 MAX_SEED = 2**63 - 1
-
-
-def _check_number(name: str, value: Any, lo: float, hi: float, *, integer: bool = False,
-                  lo_open: bool = False, allowed: str = "") -> None:
-    kinds = (int,) if integer else (int, float)
-    if isinstance(value, bool) or not isinstance(value, kinds):
-        raise ValueError(f"{name} must be {'an integer' if integer else 'a number'}, got {value!r}")
-    if isinstance(value, float) and not math.isfinite(value):
-        raise ValueError(f"{name} must be finite, got {value!r}")
-    if value < lo or value > hi or (lo_open and value == lo):
-        rng = allowed or f"{'(' if lo_open else '['}{lo}, {hi}]"
-        raise ValueError(f"{name} must be in {rng}, got {value!r}")
 
 
 def _check_stop_regex(value: Any) -> tuple[str, ...]:
@@ -70,29 +58,26 @@ class SamplingParams:
     stream_interval: Optional[int] = None   # streaming: tokens per chunk (None: the engine's default)
 
     def __post_init__(self) -> None:
-        _check_number("temperature", self.temperature, 0.0, 100.0)
-        _check_number("top_p", self.top_p, 0.0, 1.0, lo_open=True)
-        _check_number("top_k", self.top_k, -1, 2**31 - 1, integer=True,
-                      allowed="-1 (disabled), 0 (disabled) or a positive integer")
-        _check_number("min_p", self.min_p, 0.0, 1.0)
-        _check_number("max_new_tokens", self.max_new_tokens, 0, 2**31 - 1, integer=True)
-        _check_number("min_new_tokens", self.min_new_tokens, 0, 2**31 - 1, integer=True)
+        check_range("temperature", self.temperature, 0.0, 100.0)
+        check_range("top_p", self.top_p, 0.0, 1.0, lo_open=True)
+        check_range("top_k", self.top_k, -1, 2**31 - 1, integer=True,
+                    allowed="-1 (disabled), 0 (disabled) or a positive integer")
+        check_range("min_p", self.min_p, 0.0, 1.0)
+        check_range("max_new_tokens", self.max_new_tokens, 0, 2**31 - 1, integer=True)
+        check_range("min_new_tokens", self.min_new_tokens, 0, 2**31 - 1, integer=True)
         if self.min_new_tokens > self.max_new_tokens:
             raise ValueError(f"min_new_tokens must be <= max_new_tokens ({self.max_new_tokens}), "
                              f"got {self.min_new_tokens}")
-        _check_number("n", self.n, 1, 1024, integer=True)
-        if self.sampling_seed is not None:
-            _check_number("sampling_seed", self.sampling_seed, 0, MAX_SEED, integer=True)
-        _check_number("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
-        _check_number("presence_penalty", self.presence_penalty, -2.0, 2.0)
-        _check_number("repetition_penalty", self.repetition_penalty, 0.0, 2.0, lo_open=True)
-        if self.stream_interval is not None:
-            _check_number("stream_interval", self.stream_interval, 1, 2**31 - 1, integer=True)
+        check_range("n", self.n, 1, 1024, integer=True)
+        check_range("sampling_seed", self.sampling_seed, 0, MAX_SEED, integer=True, or_none=True)
+        check_range("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        check_range("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        check_range("repetition_penalty", self.repetition_penalty, 0.0, 2.0, lo_open=True)
+        check_range("stream_interval", self.stream_interval, 1, 2**31 - 1, integer=True, or_none=True)
         for name in ("ignore_eos", "no_stop_trim", "skip_special_tokens", "spaces_between_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a boolean, got {getattr(self, name)!r}")
-        if self.logprob_mode not in LOGPROB_MODES:
-            raise ValueError(f"logprob_mode must be one of {LOGPROB_MODES}, got {self.logprob_mode!r}")
+        check_choice("logprob_mode", self.logprob_mode, LOGPROB_MODES)
         stop = self.stop
         if stop is None:
             stop = ()
@@ -107,7 +92,7 @@ class SamplingParams:
         if not isinstance(ids, (list, tuple)):
             raise ValueError(f"stop_token_ids must be a list of integers, got {self.stop_token_ids!r}")
         for t in ids:
-            _check_number("stop_token_ids", t, 0, 2**31 - 1, integer=True)
+            check_range("stop_token_ids", t, 0, 2**31 - 1, integer=True)
         object.__setattr__(self, "stop_token_ids", tuple(ids))
         object.__setattr__(self, "stop_regex", _check_stop_regex(self.stop_regex))
         self._derive()

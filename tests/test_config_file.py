@@ -125,53 +125,42 @@ def test_show_exit_code_and_message_on_error(tmp_path):
 
 # ---- the engine flags, generated from EngineConfig's fields -------------------------------------------
 
-# rollout-serve's engine group as the hand-written parser had it before the flags were generated:
-# option -> (default, nargs, type, choices, help); None = argparse's (one value, a string, no help)
+# rollout-serve's engine group: option -> (default, nargs, type, choices); every flag's help ends with
+# "(default: ...)" (test_help_lists_every_flag_with_its_default)
 ENGINE_FLAGS_BEFORE = {
-    "--model-path": (DEFAULT_MODEL_PATH, None, None, None,
-                     "checkpoint directory (default: the embedded tiny MoE model)"),
-    "--tokenizer-path": (None, None, None, None, "tokenizer directory (default: the model path)"),
-    "--dtype": ("auto", None, None, ("auto", "float32", "bfloat16", "float16"), None),
-    "--device": ("cpu", None, None, None, "cpu or cuda[:N]"),
-    "--dp-size": (1, None, int, None, None),
-    # added since: engine threads of a CPU engine process
-    "--cpu-threads": (None, None, int, None,
-                      "CPU device: torch threads per engine process (default: the usable CPUs / dp-size)"),
-    "--cpu-reserve": (0, None, int, None,
-                      "CPU device: threads an engine leaves to the front end while requests stream (default 0)"),
-    # added since: the CPUs of the engine processes
-    "--cpu-affinity": ([], "*", int, None,
-                       "CPU ids the engine processes run on, split evenly among the DP ranks (default: any)"),
-    "--enable-return-routed-experts": (False, 0, None, None, "capture routed experts so requests may ask for them"),
-    "--max-running-requests": (128, None, int, None, None),
-    "--chunked-prefill-size": (1024, None, int, None, "tokens per prefill forward; -1 or 0 = whole prompts"),
-    "--max-total-tokens": (None, None, int, None, "KV cache slots"),
-    "--kv-cache-bytes": (None, None, int, None, "KV cache size when --max-total-tokens is unset (default 512 MiB)"),
-    "--context-length": (None, None, int, None, None),
-    "--disable-prefix-caching": (False, 0, None, None, None),
-    "--decode-graph-batch-sizes": ([], "*", int, None, None),
-    "--prefill-graph-token-sizes": ([], "*", int, None, None),
-    "--seed": (0, None, int, None, None),
-    "--weight-version": ("default", None, None, None, "initial weight_version label"),
-    "--stream-interval": (1, None, int, None,
-                          "streaming: tokens per chunk unless a request sets sampling_params.stream_interval"),
-    "--max-capture-buffer-rows": (None, None, int, None,
-                                  "refuse configs whose routed-expert capture buffer needs more rows"),
-    "--enable-profile-graph-capture": (False, 0, None, None, "write one profiler trace per captured graph shape"),
-    "--profile-graph-capture-dir": (None, None, None, None, None),
-    "--moe-backend": (None, None, None, ("torch", "triton"),
-                      "router and experts kernels (default: triton on CUDA, torch on CPU)"),
-    "--attention-backend": (None, None, None, ("torch", "triton", "flashinfer"),
-                            "attention kernels (default: flashinfer on CUDA when installed, else triton; "
-                            "torch on CPU)"),
-    "--enable-deterministic-inference": (False, 0, None, None, "batch-invariant kernels: a request's tokens, "
-                                         "logprobs and routing do not depend on the batch"),
-    "--allow-auto-truncate": (False, 0, None, None, "let prompt + max_new_tokens exceed the context length "
-                              "(generation stops at it) instead of a 400"),
-    # added since: the engine processes receive distributed weight updates themselves, in buckets
-    "--weight-update-bucket-bytes": (512 * 2**20, None, int, None, "distributed weight updates: bytes received "
-                                     "per bucket before copying into the weights (default 512 MiB)"),
+    "--model-path": (DEFAULT_MODEL_PATH, None, None, None),
+    "--tokenizer-path": (None, None, None, None),
+    "--dtype": ("auto", None, None, ("auto", "float32", "bfloat16", "float16")),
+    "--device": ("cpu", None, None, None),
+    "--dp-size": (1, None, int, None),
+    "--cpu-threads": (None, None, int, None),
+    "--cpu-reserve": (0, None, int, None),
+    "--cpu-affinity": ([], "*", int, None),
+    "--enable-return-routed-experts": (False, 0, None, None),
+    "--max-running-requests": (128, None, int, None),
+    "--chunked-prefill-size": (1024, None, int, None),
+    "--max-total-tokens": (None, None, int, None),
+    "--kv-cache-bytes": (None, None, int, None),
+    "--mem-fraction-static": (None, None, float, None),
+    "--context-length": (None, None, int, None),
+    "--disable-prefix-caching": (False, 0, None, None),
+    "--decode-graph-batch-sizes": ([], "*", int, None),
+    "--prefill-graph-token-sizes": ([], "*", int, None),
+    "--seed": (0, None, int, None),
+    "--weight-version": ("default", None, None, None),
+    "--stream-interval": (1, None, int, None),
+    "--max-capture-buffer-rows": (None, None, int, None),
+    "--enable-profile-graph-capture": (False, 0, None, None),
+    "--profile-graph-capture-dir": (None, None, None, None),
+    "--moe-backend": (None, None, None, ("torch", "triton")),
+    "--attention-backend": (None, None, None, ("torch", "triton", "flashinfer")),
+    "--enable-deterministic-inference": (False, 0, None, None),
+    "--allow-auto-truncate": (False, 0, None, None),
+    "--weight-update-bucket-bytes": (512 * 2**20, None, int, None),
 }
+# SGLang's spellings of the same settings
+ENGINE_ALIASES = {"--disable-prefix-caching": ["--disable-radix-cache"], "--dp-size": ["--data-parallel-size"],
+                  "--seed": ["--random-seed"]}
 CLI_OFF: set[str] = set()   # fields without a rollout-serve flag (no_flag)
 
 
@@ -184,9 +173,10 @@ def test_engine_group_is_unchanged():
     """rollout-serve's engine flags keep their names, defaults, value types, choices and help."""
     actions = _engine_group(ServerArgs.parser())
     assert set(actions) == set(ENGINE_FLAGS_BEFORE)
-    for option, (default, nargs, type_, choices, help_) in ENGINE_FLAGS_BEFORE.items():
+    for option, (default, nargs, type_, choices) in ENGINE_FLAGS_BEFORE.items():
         a = actions[option]
-        assert (a.default, a.nargs, a.type, a.choices, a.help) == (default, nargs, type_, choices, help_), option
+        assert (a.default, a.nargs, a.type, a.choices) == (default, nargs, type_, choices), option
+        assert a.option_strings[1:] == ENGINE_ALIASES.get(option, []), option
     help_text = ServerArgs.parser().format_help()
     assert all(option in help_text for option in ENGINE_FLAGS_BEFORE)
 
@@ -244,7 +234,7 @@ def test_flags_spellings():
     (["--device", "tpu"], "device must be 'cpu' or 'cuda[:N]'"),
     (["--cpu-affinity", "-1"], "cpu_affinity must be an integer >= 0"),
     (["--cpu-affinity", "0", "--dp-size", "2"], "cpu_affinity must list a multiple of dp_size=2 CPUs"),
-    (["--seed", "x"], "argument --seed: invalid int value: 'x'"),
+    (["--seed", "x"], "argument --seed/--random-seed: invalid int value: 'x'"),
     (["--port", "70000"], "port must be an integer in [0, 65535]"),
 ])
 def test_bad_flag_exits_2_naming_the_field(argv, says, capsys):
@@ -252,7 +242,7 @@ def test_bad_flag_exits_2_naming_the_field(argv, says, capsys):
         ServerArgs.from_cli(argv)
     assert e.value.code == 2
     err = capsys.readouterr().err
-    assert "rollout-serve: error: " in err and says in err, err
+    assert err.startswith("rollout-serve: error: ") and says in err and err.count("\n") == 1, err
 
 
 def test_flags_command_and_no_import_cycle():

@@ -32,14 +32,17 @@ def test_configs_in_repo_load():
 @pytest.mark.parametrize("text, match", [
     ("stepz: 3\n", r"stepz: unknown key \(did you mean 'steps'\?\)"),
     ("steps: ten\n", "steps: expected an integer, got str 'ten'"),
-    ("steps: 0\n", "steps: must be >= 1"),
+    ("steps: 0\n", r"steps must be an integer >= 1, got 0$"),
     ("router_replay: yes please\n", "router_replay: expected true or false"),
-    ("weight_sync: carrier-pigeon\n", "weight_sync: must be one of"),
-    ("zero_stage: 3\n", "zero_stage: must be 0, 1 or 2"),
+    ("weight_sync: carrier-pigeon\n", r"weight_sync must be one of \('disk', 'tensor', 'distributed'\), "
+                                       r"got 'carrier-pigeon'$"),
+    ("zero_stage: 3\n", r"zero_stage must be an integer in \[0, 2\], got 3$"),
     ("loss:\n  clip_epz: 0.1\n", r"loss.clip_epz: unknown key"),
-    ("loss:\n  clip_eps: -1\n", "loss: clip_eps must be >= 0"),
+    ("loss:\n  clip_eps: -1\n", r"loss: clip_eps must be a number >= 0, got -1.0$"),
     ("adam_betas: 0.9\n", "adam_betas: expected a list"),
-    ("samples_per_prompt: 1\n", "samples_per_prompt: GRPO needs groups of at least 2"),
+    ("samples_per_prompt: 1\n", r"samples_per_prompt must be an integer >= 2 \(GRPO compares the samples of a "
+                                 r"prompt: groups of at least 2\), got 1$"),
+    ("top_p: 0\n", r"top_p must be a number in \(0, 1\], got 0.0$"),
     ("loss:\n  kl_coef: 0.1\n", "loss.kl_coef: the GRPO loop has no reference policy to give rl_loss"),
     ("- a\n- b\n", "must be a mapping"),
 ])

@@ -11,6 +11,8 @@ from typing import Mapping, Optional, Sequence, Union
 
 import torch
 
+from rollout.value_range import check_choice, check_range
+
 __all__ = ["masked_mean", "token_logprobs", "token_entropy", "grpo_advantages", "kl_k3", "policy_loss",
            "router_alignment_loss", "LossConfig", "rl_loss"]
 
@@ -186,13 +188,12 @@ class LossConfig:
     temperature: float = field(default=1.0, metadata={"help": "divides the logits (the rollout temperature)"})
 
     def __post_init__(self):
-        if self.loss_agg not in LOSS_AGGS:
-            raise ValueError(f"loss_agg must be one of {LOSS_AGGS}, got {self.loss_agg!r}")
+        check_choice("loss_agg", self.loss_agg, LOSS_AGGS)
         for f in ("clip_eps", "kl_coef", "entropy_coef", "router_align_coef"):
-            if getattr(self, f) < 0:
-                raise ValueError(f"{f} must be >= 0, got {getattr(self, f)}")
-        if self.temperature <= 0:
-            raise ValueError(f"temperature must be > 0, got {self.temperature}")
+            check_range(f, getattr(self, f), 0)
+        check_range("clip_eps_high", self.clip_eps_high, 0, or_none=True)
+        check_range("tis_cap", self.tis_cap, 0, lo_open=True, or_none=True)
+        check_range("temperature", self.temperature, 0, lo_open=True)
 
 
 def rl_loss(config: LossConfig, *, logits: torch.Tensor, batch, advantages: torch.Tensor,

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Optional, Sequence, Union
 
 from capture.codec import RoutedExpertsFormat
+from rollout.value_range import check_choice, check_range
 
 from .losses import LossConfig
 
@@ -99,31 +100,38 @@ class TrainConfig:
     progress: bool = _key(True, help="a progress bar on a terminal (the step lines print either way)")
 
     def __post_init__(self):
-        def need(cond: bool, key: str, msg: str):
-            if not cond:
-                raise ConfigError(f"{key}: {msg}, got {getattr(self, key)!r}")
-        for key in ("num_servers", "steps", "prompts_per_step", "samples_per_prompt", "max_new_tokens",
-                    "eval_max_new_tokens", "micro_batch_tokens", "num_train_prompts", "server_kv_cache_bytes"):
-            need(getattr(self, key) >= 1, key, "must be >= 1")
-        need(self.num_eval_prompts >= 0, "num_eval_prompts", "must be >= 0")
-        need(self.eval_every >= 0, "eval_every", "must be >= 0 (0: only before and after training)")
-        need(self.temperature > 0, "temperature", "must be > 0 (GRPO samples; greedy is for eval)")
-        need(0 < self.top_p <= 1, "top_p", "must be in (0, 1]")
-        need(self.lr > 0, "lr", "must be > 0")
-        need(self.weight_decay >= 0, "weight_decay", "must be >= 0")
-        need(self.grad_clip >= 0, "grad_clip", "must be >= 0 (0: no clipping)")
-        need(len(self.adam_betas) == 2 and all(0 <= b < 1 for b in self.adam_betas), "adam_betas",
-             "must be two numbers in [0, 1)")
-        need(self.zero_stage in (0, 1, 2), "zero_stage", "must be 0, 1 or 2")
-        need(self.weight_sync in SYNC_MODES, "weight_sync", f"must be one of {SYNC_MODES}")
-        need(self.routing_format in ROUTING_FORMATS, "routing_format", f"must be one of {ROUTING_FORMATS}")
-        need(self.server_dtype in SERVER_DTYPES, "server_dtype", f"must be one of {SERVER_DTYPES}")
-        need(self.wandb_mode in ("offline", "online", "disabled"), "wandb_mode",
-             "must be offline, online or disabled")
-        need(":" in self.reward, "reward", "must be 'module:function'")
-        need(self.task in (None, "arithmetic"), "task", "must be 'arithmetic' or null (then give train_files)")
-        if self.task is None:
-            need(bool(self.train_files), "train_files", "must name prompt files when task is null")
+        def rng(key: str, lo: float, hi: Optional[float] = None, **kw: Any) -> None:
+            check_range(key, getattr(self, key), lo, hi, error=ConfigError, **kw)
+
+        def choice(key: str, choices: Sequence[Any], **kw: Any) -> None:
+            check_choice(key, getattr(self, key), choices, error=ConfigError, **kw)
+
+        for key in ("num_servers", "steps", "prompts_per_step", "max_new_tokens", "eval_max_new_tokens",
+                    "micro_batch_tokens", "num_train_prompts", "server_kv_cache_bytes"):
+            rng(key, 1, integer=True)
+        rng("samples_per_prompt", 2, integer=True, why="GRPO compares the samples of a prompt: groups of at least 2")
+        rng("num_eval_prompts", 0, integer=True)
+        rng("eval_every", 0, integer=True, why="0: only before and after training")
+        rng("temperature", 0, lo_open=True, why="GRPO samples; greedy is for eval")
+        rng("top_p", 0, 1, lo_open=True)
+        rng("lr", 0, lo_open=True)
+        rng("weight_decay", 0)
+        rng("grad_clip", 0, why="0: no clipping")
+        if len(self.adam_betas) != 2:
+            raise ConfigError(f"adam_betas must be two numbers in [0, 1), got {self.adam_betas!r}")
+        for beta in self.adam_betas:
+            check_range("adam_betas", beta, 0, 1, hi_open=True, error=ConfigError)
+        rng("zero_stage", 0, 2, integer=True)
+        rng("seed", 0, integer=True)
+        choice("weight_sync", SYNC_MODES)
+        choice("routing_format", ROUTING_FORMATS)
+        choice("server_dtype", SERVER_DTYPES)
+        choice("wandb_mode", ("offline", "online", "disabled"))
+        if ":" not in self.reward:
+            raise ConfigError(f"reward must be 'module:function', got {self.reward!r}")
+        choice("task", ("arithmetic",), or_none=True, why="null: give train_files")
+        if self.task is None and not self.train_files:
+            raise ConfigError(f"train_files must name prompt files when task is null, got {self.train_files!r}")
         for key, what in (("kl_coef", "reference policy"), ("router_align_coef", "router logits")):
             if getattr(self.loss, key) != 0:
                 raise ConfigError(f"loss.{key}: the GRPO loop has no {what} to give rl_loss; must be 0 here, "
@@ -131,9 +139,8 @@ class TrainConfig:
         if self.exact and self.server_dtype != "float32":
             raise ConfigError(f"server_dtype: exact mode needs the trainer's dtype on the servers (float32), "
                               f"got {self.server_dtype!r}")
-        if self.samples_per_prompt < 2:
-            raise ConfigError(f"samples_per_prompt: GRPO needs groups of at least 2, got {self.samples_per_prompt}")
         if self.exact:
+            choice("server_dtype", ("float32",), why="exact mode: the servers compute in the trainer's dtype")
             _check_exact_model(self.model_path)
 
     @property

@@ -2,19 +2,19 @@
 equivalent `rollout-serve` flags (--flags; used by scripts/slurm/lib.sh)."""
 from __future__ import annotations
 
-import argparse
 import json
 import shlex
 import sys
 from typing import Optional, Sequence
 
+from rollout.config.cli_parser import CliParser
 from rollout.config.config_file import (ConfigFileError, format_sizes, implied_sizes, load_engine_config,
                                         load_engine_config_file, serve_flags)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m rollout.config",
-                                description="Validate engine config files and print the sizes they imply.")
+    p = CliParser(prog="python -m rollout.config",
+                  description="Validate engine config files and print the sizes they imply.")
     what = p.add_mutually_exclusive_group(required=True)
     what.add_argument("--show", nargs="+", metavar="YAML", help="configs/engine/<name>.yaml ...: print the "
                       "capture buffer rows/bytes and host store bytes the config implies")

@@ -26,10 +26,9 @@ import yaml
 from capture.buffer_sizing import ForwardShapeLimits, capture_buffer_rows
 from capture.routing_shape import expert_count, moe_layer_ids
 from rollout.config.engine_cli import engine_flags
-from rollout.config.engine_config import EngineConfig
+from rollout.config.engine_config import DEFAULT_KV_CACHE_BYTES, EngineConfig
 
 TOP_LEVEL_KEYS = ("engine", "model_shape")
-DEFAULT_KV_CACHE_BYTES = 512 * 2**20   # mirrors rollout/core/engine_core.py
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 _PATH_FIELDS = ("model_path", "tokenizer_path", "profile_graph_capture_dir")
 
@@ -205,6 +204,9 @@ def implied_sizes(cf: EngineConfigFile) -> dict[str, Any]:
     kv_dtype = "float32" if cfg.dtype == "auto" else cfg.dtype
     kv_per_token = shape.kv_bytes_per_token or (
         shape.num_hidden_layers * shape.kv_values_per_token_layer * _DTYPE_BYTES[kv_dtype])
+    if cfg.max_total_tokens is None and cfg.mem_fraction_static is not None:
+        raise ConfigFileError(f"{cf.path}: engine.mem_fraction_static: the KV cache it gives depends on the memory "
+                              f"free when the engine starts; give engine.max_total_tokens to size it here")
     kv_slots = cfg.max_total_tokens or max(2, (cfg.kv_cache_bytes or DEFAULT_KV_CACHE_BYTES) // kv_per_token)
     per_slot = shape.num_hidden_layers * shape.num_experts_per_tok * store_item
     device_bytes = rows * shape.num_hidden_layers * shape.num_experts_per_tok * 4

@@ -13,6 +13,7 @@ from typing import Any, Optional
 
 from rollout.config.backends import ATTENTION_BACKENDS, MOE_BACKENDS, QUANTIZATIONS, check_attention_backend, default_attention_backend
 from rollout.config.flag import flag
+from rollout.value_range import check_choice, check_range
 
 _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEFAULT_MODEL_PATH = os.path.join(_REPO, "configs", "tiny-moe")
@@ -20,13 +21,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
 MAX_BUCKET_BYTES = 2**40
-
-
-def _positive_int(name: str, value: Any, *, allow_none: bool = False, minimum: int = 1) -> None:
-    if value is None and allow_none:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}{' or None' if allow_none else ''}, got {value!r}")
+DEFAULT_KV_CACHE_BYTES = 512 * 2**20
 
 
 def _int_tuple(name: str, value: Any, *, minimum: int = 1) -> tuple[int, ...]:
@@ -36,7 +31,7 @@ def _int_tuple(name: str, value: Any, *, minimum: int = 1) -> tuple[int, ...]:
         raise ValueError(f"{name} must be a list of integers >= {minimum}, got {value!r}")
     out = tuple(value)
     for v in out:
-        _positive_int(name, v, minimum=minimum)
+        check_range(name, v, minimum, integer=True)
     if len(set(out)) != len(out):
         raise ValueError(f"{name} must not repeat values, got {list(out)}")
     return tuple(sorted(out))
@@ -45,83 +40,107 @@ def _int_tuple(name: str, value: Any, *, minimum: int = 1) -> tuple[int, ...]:
 @dataclass(frozen=True, kw_only=True)
 class EngineConfig:
     model_path: str = field(default=DEFAULT_MODEL_PATH, metadata=flag(
-        help="checkpoint directory (default: the embedded tiny MoE model)"))
+        help="checkpoint directory (config.json, safetensors weights, tokenizer.json); weights are never "
+             "downloaded", default_text="the embedded tiny MoE model"))
     tokenizer_path: Optional[str] = field(default=None, metadata=flag(
-        help="tokenizer directory (default: the model path)"))
-    dtype: str = field(default="auto", metadata=flag(choices=DTYPES))
+        help="tokenizer directory", default_text="the model path"))
+    dtype: str = field(default="auto", metadata=flag(
+        choices=DTYPES, help="weights and activations dtype; auto: the checkpoint's torch_dtype, else float32"))
     # "fp8": quantize a float checkpoint's linear and expert weights on load and on every weight
     # update (rollout/models/quant/fp8.py); FP8 checkpoints are held in FP8 without it
     quantization: Optional[str] = field(default=None, metadata=flag(
         choices=QUANTIZATIONS, help="fp8: hold a float checkpoint's weights in FP8 (quantized on load and on "
                                     "every weight update); FP8 checkpoints load as FP8 without it"))
     device: str = field(default="cpu", metadata=flag(help="cpu or cuda[:N]"))
-    max_running_requests: int = field(default=128, metadata=flag(type=int))
+    max_running_requests: int = field(default=128, metadata=flag(
+        type=int, help="requests an engine rank runs at once; the rest wait in its queue"))
     # tokens per prefill forward; None = whole prompts
     chunked_prefill_size: Optional[int] = field(default=1024, metadata=flag(
         type=int, none_at_most=0, none_spelling="-1", help="tokens per prefill forward; -1 or 0 = whole prompts"))
-    # KV slots; default from kv_cache_bytes
-    max_total_tokens: Optional[int] = field(default=None, metadata=flag(type=int, help="KV cache slots"))
-    # default 512 MiB when max_total_tokens is unset
+    # KV slots; default from kv_cache_bytes or mem_fraction_static
+    max_total_tokens: Optional[int] = field(default=None, metadata=flag(
+        type=int, help="KV cache slots (tokens held at once) per engine rank",
+        default_text="from --kv-cache-bytes or --mem-fraction-static"))
+    # default DEFAULT_KV_CACHE_BYTES when max_total_tokens and mem_fraction_static are unset
     kv_cache_bytes: Optional[int] = field(default=None, metadata=flag(
-        type=int, help="KV cache size when --max-total-tokens is unset (default 512 MiB)"))
+        type=int, help="KV cache bytes per engine rank when --max-total-tokens is unset",
+        default_text="512 MiB, unless --mem-fraction-static"))
+    # SGLang's: the share of the device memory free when the engine starts that the weights and the KV
+    # cache may take; the KV cache gets what the weights leave (rollout/core/kv_budget.py)
+    mem_fraction_static: Optional[float] = field(default=None, metadata=flag(
+        type=float, help="the fraction of the memory free at startup (GPU; host memory on CPU, shared "
+                         "among the DP ranks) for the weights and the KV cache, which gets the rest (SGLang's "
+                         "flag)", default_text="unset: the KV cache is --kv-cache-bytes"))
     # default: the model's max_position_embeddings
-    context_length: Optional[int] = field(default=None, metadata=flag(type=int))
+    context_length: Optional[int] = field(default=None, metadata=flag(
+        type=int, help="longest prompt + output, in tokens", default_text="the model's max_position_embeddings"))
     # SGLang's switch: a prompt + max_new_tokens past context_length runs to the context length
     # instead of being refused (400 "Requested token count exceeds ...")
     allow_auto_truncate: bool = field(default=False, metadata=flag(
         help="let prompt + max_new_tokens exceed the context length (generation stops at it) instead of a 400"))
-    enable_prefix_caching: bool = field(default=True, metadata=flag(name="--disable-prefix-caching", negate=True))
+    enable_prefix_caching: bool = field(default=True, metadata=flag(
+        name="--disable-prefix-caching", aliases=("--disable-radix-cache",), negate=True,
+        help="turn the prefix (radix) cache off: every prompt is prefilled whole"))
     enable_return_routed_experts: bool = field(default=False, metadata=flag(
         help="capture routed experts so requests may ask for them"))
-    decode_graph_batch_sizes: tuple[int, ...] = field(default=(), metadata=flag(type=int))
-    prefill_graph_token_sizes: tuple[int, ...] = field(default=(), metadata=flag(type=int))
-    dp_size: int = field(default=1, metadata=flag(type=int))
+    decode_graph_batch_sizes: tuple[int, ...] = field(default=(), metadata=flag(
+        type=int, help="decode batch sizes run as static-shape runners (CUDA graphs on a GPU); a step takes the "
+                       "smallest that fits, larger batches run eagerly", default_text="none: eager decode"))
+    prefill_graph_token_sizes: tuple[int, ...] = field(default=(), metadata=flag(
+        type=int, help="prefill token counts run as static-shape piecewise runners; larger prefills run eagerly",
+        default_text="none: eager prefill"))
+    dp_size: int = field(default=1, metadata=flag(
+        type=int, aliases=("--data-parallel-size",),
+        help="data-parallel engine ranks, one process each (on CUDA one GPU each), the routed experts "
+             "sharded among them"))
     # CPU engines: torch intra-op threads of each engine process; None = the CPUs this process may
     # run on, shared out among the DP ranks (resolved_cpu_threads). Leave cores to the front end
     # and the caller's own work on small hosts (docs/architecture.md).
     cpu_threads: Optional[int] = field(default=None, metadata=flag(
-        type=int, help="CPU device: torch threads per engine process (default: the usable CPUs / dp-size)"))
+        type=int, help="CPU device: torch threads per engine process", default_text="the usable CPUs / dp-size"))
     # CPU engines: threads given up in a forward that runs while the front end turns the previous
     # step's stream deltas into chunks, so that the two do not contend for a core
     # (rollout/core/cpu_threads.py). Off by default: a forward's float results depend on its thread
     # count, so with it a request's logprobs differ in the last bits between streamed and
     # non-streamed runs.
     cpu_reserve: int = field(default=0, metadata=flag(
-        type=int, help="CPU device: threads an engine leaves to the front end while requests stream (default 0)"))
+        type=int, help="CPU device: threads an engine leaves to the front end while requests stream"))
     # CPUs (Linux CPU ids) the engine processes run on, shared out among the DP ranks in equal
     # contiguous parts (rank r runs on the r-th part); () = wherever the launching process may run.
     # With it, cpu_threads defaults to a rank's part. A caller that keeps its own work off these
     # CPUs (os.sched_setaffinity, taskset) no longer preempts the engine's threads
     # (docs/architecture.md; vLLM's CPU backend binds its threads likewise).
     cpu_affinity: tuple[int, ...] = field(default=(), metadata=flag(
-        type=int, help="CPU ids the engine processes run on, split evenly among the DP ranks (default: any)"))
+        type=int, help="CPU ids the engine processes run on, split evenly among the DP ranks", default_text="any"))
     # NOTE: a device budget for the routed-expert capture buffer; a config whose forwards need more
     # rows (capture_buffer_rows) is rejected at startup, naming the values. None = no cap.
     max_capture_buffer_rows: Optional[int] = field(default=None, metadata=flag(
-        type=int, help="refuse configs whose routed-expert capture buffer needs more rows"))
+        type=int, help="refuse configs whose routed-expert capture buffer needs more rows", default_text="no cap"))
     # one torch.profiler trace per captured shape
     enable_profile_graph_capture: bool = field(default=False, metadata=flag(
         help="write one profiler trace per captured graph shape"))
     # default ./graph_capture_profile
-    profile_graph_capture_dir: Optional[str] = field(default=None, metadata=flag())
-    seed: int = field(default=0, metadata=flag(type=int))
+    profile_graph_capture_dir: Optional[str] = field(default=None, metadata=flag(
+        help="where --enable-profile-graph-capture writes", default_text="./graph_capture_profile"))
+    seed: int = field(default=0, metadata=flag(
+        type=int, aliases=("--random-seed",), help="seeds the sampling seeds of requests that set no sampling_seed"))
     weight_version: str = field(default="default", metadata=flag(help="initial weight_version label"))
     # distributed weight updates: each engine process receives the trainer's broadcasts into
     # scratch tensors of at most this many bytes at a time (a larger tensor alone) and copies each
     # bucket into its weights before the next (rollout/core/weight_receiver.py)
     weight_update_bucket_bytes: int = field(default=512 * 2**20, metadata=flag(
-        type=int, help="distributed weight updates: bytes received per bucket before copying into the weights "
-                       "(default 512 MiB)"))
+        type=int, help="distributed weight updates: bytes received per bucket before copying into the weights",
+        default_text="512 MiB"))
     # streaming: tokens per chunk unless a request sets it
     stream_interval: int = field(default=1, metadata=flag(
         type=int, help="streaming: tokens per chunk unless a request sets sampling_params.stream_interval"))
     # router + experts: "torch" | "triton"; None = by device
     moe_backend: Optional[str] = field(default=None, metadata=flag(
-        choices=MOE_BACKENDS, help="router and experts kernels (default: triton on CUDA, torch on CPU)"))
+        choices=MOE_BACKENDS, help="router and experts kernels", default_text="triton on CUDA, torch on CPU"))
     # attention kernels: "torch", "triton" or "flashinfer"; None = by device (resolved_attention_backend)
     attention_backend: Optional[str] = field(default=None, metadata=flag(
-        choices=ATTENTION_BACKENDS,
-        help="attention kernels (default: flashinfer on CUDA when installed, else triton; torch on CPU)"))
+        choices=ATTENTION_BACKENDS, help="attention kernels",
+        default_text="flashinfer on CUDA when installed, else triton; torch on CPU"))
 
     # batch-invariant ops (rollout/exact/): a request's tokens, logprobs and routing rows do not
     # depend on the rest of the batch, chunking, prefix hits or DP rank (docs/architecture.md)
@@ -131,56 +150,49 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.model_path, str) or not self.model_path:
             raise ValueError(f"model_path must be a non-empty path, got {self.model_path!r}")
-        if self.quantization not in (None, *QUANTIZATIONS):
-            raise ValueError(f"quantization must be one of {QUANTIZATIONS} or None, got {self.quantization!r}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        check_choice("dtype", self.dtype, DTYPES)
+        check_choice("quantization", self.quantization, QUANTIZATIONS, or_none=True)
         if not isinstance(self.device, str) or self.device.split(":")[0] not in ("cpu", "cuda"):
             raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
-        _positive_int("max_running_requests", self.max_running_requests)
-        _positive_int("chunked_prefill_size", self.chunked_prefill_size, allow_none=True)
-        _positive_int("max_total_tokens", self.max_total_tokens, allow_none=True, minimum=2)
-        _positive_int("kv_cache_bytes", self.kv_cache_bytes, allow_none=True)
-        _positive_int("context_length", self.context_length, allow_none=True, minimum=2)
-        _positive_int("dp_size", self.dp_size)
-        _positive_int("cpu_threads", self.cpu_threads, allow_none=True)
-        _positive_int("cpu_reserve", self.cpu_reserve, minimum=0)
+        check_range("max_running_requests", self.max_running_requests, 1, integer=True)
+        check_range("chunked_prefill_size", self.chunked_prefill_size, 1, integer=True, or_none=True)
+        check_range("max_total_tokens", self.max_total_tokens, 2, integer=True, or_none=True)
+        check_range("kv_cache_bytes", self.kv_cache_bytes, 1, integer=True, or_none=True)
+        check_range("mem_fraction_static", self.mem_fraction_static, 0, 1, lo_open=True, or_none=True)
+        if self.mem_fraction_static is not None and self.kv_cache_bytes is not None:
+            raise ValueError(f"mem_fraction_static={self.mem_fraction_static} and kv_cache_bytes="
+                             f"{self.kv_cache_bytes} both size the KV cache: give one")
+        check_range("context_length", self.context_length, 2, integer=True, or_none=True)
+        check_range("dp_size", self.dp_size, 1, integer=True)
+        check_range("cpu_threads", self.cpu_threads, 1, integer=True, or_none=True)
+        check_range("cpu_reserve", self.cpu_reserve, 0, integer=True)
         object.__setattr__(self, "cpu_affinity", _int_tuple("cpu_affinity", self.cpu_affinity, minimum=0))
         if len(self.cpu_affinity) % self.dp_size:
             raise ValueError(f"cpu_affinity must list a multiple of dp_size={self.dp_size} CPUs (an equal part "
                              f"per DP rank), got {len(self.cpu_affinity)}: {list(self.cpu_affinity)}")
-        _positive_int("max_capture_buffer_rows", self.max_capture_buffer_rows, allow_none=True)
+        check_range("max_capture_buffer_rows", self.max_capture_buffer_rows, 1, integer=True, or_none=True)
         if self.profile_graph_capture_dir is not None and (
                 not isinstance(self.profile_graph_capture_dir, str) or not self.profile_graph_capture_dir):
             raise ValueError(f"profile_graph_capture_dir must be a non-empty path or None, "
                              f"got {self.profile_graph_capture_dir!r}")
-        _positive_int("seed", self.seed, minimum=0)
-        _positive_int("stream_interval", self.stream_interval)
-        if isinstance(self.weight_update_bucket_bytes, bool) or not isinstance(self.weight_update_bucket_bytes, int) \
-                or not 1 <= self.weight_update_bucket_bytes <= MAX_BUCKET_BYTES:
-            raise ValueError(f"weight_update_bucket_bytes must be an integer in [1, {MAX_BUCKET_BYTES}], "
-                             f"got {self.weight_update_bucket_bytes!r}")
+        check_range("seed", self.seed, 0, integer=True)
+        check_range("stream_interval", self.stream_interval, 1, integer=True)
+        check_range("weight_update_bucket_bytes", self.weight_update_bucket_bytes, 1, MAX_BUCKET_BYTES, integer=True)
         for name in ("enable_prefix_caching", "enable_return_routed_experts", "enable_profile_graph_capture",
-                     "enable_deterministic_inference"):
+                     "enable_deterministic_inference", "allow_auto_truncate"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a boolean, got {getattr(self, name)!r}")
         object.__setattr__(self, "decode_graph_batch_sizes",
                            _int_tuple("decode_graph_batch_sizes", self.decode_graph_batch_sizes))
         object.__setattr__(self, "prefill_graph_token_sizes",
                            _int_tuple("prefill_graph_token_sizes", self.prefill_graph_token_sizes))
-        if self.moe_backend is not None and self.moe_backend not in MOE_BACKENDS:
-            raise ValueError(f"moe_backend must be one of {MOE_BACKENDS} or None (by device), "
-                             f"got {self.moe_backend!r}")
-        if self.attention_backend is not None and self.attention_backend not in ATTENTION_BACKENDS:
-            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS} or None (by device), "
-                             f"got {self.attention_backend!r}")
+        check_choice("moe_backend", self.moe_backend, MOE_BACKENDS, or_none=True, why="by device")
+        check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS, or_none=True, why="by device")
         if self.enable_deterministic_inference:
             # NOTE: moe_backend "triton" runs the batch-invariant experts kernel (moe_triton_exact.py)
             # NOTE: attention_backend "triton" runs the extend kernel's batch-invariant form
-            if self.attention_backend not in (None, "torch", "triton"):
-                raise ValueError(f"enable_deterministic_inference runs batch-invariant attention kernels: "
-                                 f"attention_backend must be 'torch', 'triton' or None, "
-                                 f"got {self.attention_backend!r}")
+            check_choice("attention_backend", self.attention_backend, ("torch", "triton"), or_none=True,
+                         why="enable_deterministic_inference runs batch-invariant attention kernels")
             if self.cpu_reserve:
                 raise ValueError(f"enable_deterministic_inference needs the same threads in every forward: "
                                  f"cpu_reserve must be 0, got {self.cpu_reserve}")

@@ -1,10 +1,11 @@
-"""Flag: how one EngineConfig field is spelled on the `rollout-serve` command line.
+"""Flag: how one field of a frozen config (EngineConfig, ServerArgs) is spelled on the command line.
 
-Each EngineConfig field carries one in its metadata (`field(metadata=flag(...))`, or
-`no_flag(reason)` for a field that has no flag); rollout/config/engine_cli.py builds the argparse
-group, the EngineConfig and the flag list from them. The kind of flag follows the field's default:
-a bool is a switch (`--name`, or with `negate` a switch that turns the setting off), a tuple takes
-zero or more values (`nargs="*"`), anything else takes one value.
+Each field carries one in its metadata (`field(metadata=flag(...))`, or `no_flag(reason)` for a
+field that has no flag); rollout/config/flag_group.py builds the argparse group, the config and the
+flag list from them. The kind of flag follows the field's default: a bool is a switch (`--name`, or
+with `negate` a switch that turns the setting off), a tuple takes zero or more values
+(`nargs="*"`), anything else takes one value. Every flag has help text, and `--help` shows its
+default after it: `default_text`, else the default itself ("off" for a switch).
 """
 from __future__ import annotations
 
@@ -19,13 +20,16 @@ NO_FLAG_KEY = "no_flag"
 
 @dataclass(frozen=True, kw_only=True)
 class Flag:
-    help: Optional[str] = None
+    help: str = ""
+    default_text: Optional[str] = None              # how the default reads in --help (needed when it is None)
     type: Optional[Callable[[str], Any]] = None    # of one value; None = the string as given
     choices: Optional[tuple[str, ...]] = None
     name: Optional[str] = None                      # the option; default --<field-name>
+    aliases: tuple[str, ...] = ()                   # further spellings (SGLang's, where they differ)
     negate: bool = False                            # bool fields: the switch sets the field to False
     none_at_most: Optional[int] = None              # int values <= this mean None ...
     none_spelling: Optional[str] = None             # ... and None is written as this value
+    hidden: bool = False                            # accepted, left out of --help
 
     def __post_init__(self) -> None:
         if (self.none_at_most is None) != (self.none_spelling is None):
@@ -39,15 +43,35 @@ class Flag:
         """The argparse destination, and the key /server_info lists the setting under."""
         return self.option(f).removeprefix("--").replace("-", "_")
 
+    def shown_default(self, f: dataclasses.Field) -> str:
+        """The default as --help shows it."""
+        if self.default_text is not None:
+            return self.default_text
+        default = f.default if f.default is not dataclasses.MISSING else None
+        if isinstance(default, bool):
+            return "off"
+        if default is None:
+            raise TypeError(f"{f.name}: a flag whose default is None needs default_text (what None means)")
+        if isinstance(default, tuple):
+            return " ".join(map(str, default)) if default else "none"
+        return str(default)
+
+    def help_text(self, f: dataclasses.Field) -> str:
+        if self.hidden:
+            return argparse.SUPPRESS
+        if not self.help:
+            raise TypeError(f"{f.name}: a flag needs help text")
+        # NOTE: argparse %-formats help strings
+        return f"{self.help} (default: {self.shown_default(f)})".replace("%", "%%")
+
     # ---- argparse ------------------------------------------------------------------------------
     def add_to(self, group: argparse._ArgumentGroup, f: dataclasses.Field) -> None:
-        kw: dict[str, Any] = {"dest": self.dest(f)}
-        if self.help is not None:
-            kw["help"] = self.help
+        kw: dict[str, Any] = {"dest": self.dest(f), "help": self.help_text(f)}
+        options = (self.option(f), *self.aliases)
         if isinstance(f.default, bool):
             if f.default != self.negate:   # a switch moves the setting away from its default
-                raise TypeError(f"EngineConfig.{f.name}: a default of {f.default} needs negate={not self.negate}")
-            group.add_argument(self.option(f), action="store_true", **kw)
+                raise TypeError(f"{f.name}: a default of {f.default} needs negate={not self.negate}")
+            group.add_argument(*options, action="store_true", **kw)
             return
         kw["default"] = list(f.default) if isinstance(f.default, tuple) else f.default
         if isinstance(f.default, tuple):
@@ -56,11 +80,11 @@ class Flag:
             kw["type"] = self.type
         if self.choices is not None:
             kw["choices"] = self.choices
-        group.add_argument(self.option(f), **kw)
+        group.add_argument(*options, **kw)
 
-    # ---- values: command line <-> EngineConfig ---------------------------------------------------
+    # ---- values: command line <-> config ---------------------------------------------------------
     def field_value(self, f: dataclasses.Field, cli_value: Any) -> Any:
-        """The EngineConfig value of a parsed command-line value."""
+        """The config value of a parsed command-line value."""
         if isinstance(f.default, bool):
             return not cli_value if self.negate else cli_value
         if isinstance(f.default, tuple):
@@ -102,5 +126,5 @@ def flag_of(f: dataclasses.Field) -> Optional[Flag]:
     if NO_FLAG_KEY in f.metadata:
         return None
     if METADATA_KEY not in f.metadata:
-        raise TypeError(f"EngineConfig.{f.name}: metadata needs flag(...) or no_flag(reason)")
+        raise TypeError(f"{f.name}: metadata needs flag(...) or no_flag(reason)")
     return f.metadata[METADATA_KEY]

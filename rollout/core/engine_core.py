@@ -21,6 +21,7 @@ from rollout.batch.kv_pool import KVPool
 from rollout.config import EngineConfig
 from rollout.core.control_calls import ControlCalls
 from rollout.core.cpu_threads import CpuThreads
+from rollout.core.kv_budget import KVBudget
 from rollout.core.output_processor import OutputProcessor
 from rollout.core.radix_cache import RadixCache
 from rollout.core.request import Req, ReqStatus
@@ -37,7 +38,6 @@ from rollout.models.moe.experts import FusedExperts
 from rollout.models.registry import load_model
 from rollout.tokenizer import Tokenizer
 
-DEFAULT_KV_CACHE_BYTES = 512 * 2**20
 ABORT_MESSAGE = "aborted by request"
 CONTROL_BUDGET_S = 0.01  # answers to aborted waiting requests per step; the rest follow next steps
 
@@ -57,6 +57,7 @@ class EngineCore(ControlCalls):
         self.device = torch.device(cfg.device)
         if self.device.type == "cpu":
             tune_glibc_malloc()  # NOTE: CPU forwards in a fresh process ran ~2x slower without it
+        self.kv_budget = KVBudget.before_load(cfg, self.device)   # NOTE: measured before the weights load
         self._load_model()
         self.eos_ids = Tokenizer.eos_token_ids(cfg.model_path)
         self.context_length = cfg.context_length or self.info.max_position_embeddings
@@ -98,7 +99,7 @@ class EngineCore(ControlCalls):
         kv_dtype = next(self.model.parameters()).dtype
         per_slot = KVPool.bytes_per_slot(num_layers=info.num_hidden_layers, num_kv_heads=info.num_kv_heads,
                                          head_dim=info.head_dim, dtype=kv_dtype, latent_dim=info.kv_latent_dim)
-        num_slots = cfg.max_total_tokens or max(2, (cfg.kv_cache_bytes or DEFAULT_KV_CACHE_BYTES) // per_slot)
+        num_slots = cfg.max_total_tokens or max(2, self.kv_budget.bytes_after_load(self.model, per_slot) // per_slot)
         self.kv_pool = KVPool(num_slots=num_slots, num_layers=info.num_hidden_layers,
                               num_kv_heads=info.num_kv_heads, head_dim=info.head_dim,
                               dtype=kv_dtype, device=self.device, latent_dim=info.kv_latent_dim)

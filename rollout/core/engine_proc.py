@@ -13,10 +13,20 @@ step, so collectives inside the forward line up; an idle rank runs an empty forw
 """
 from __future__ import annotations
 
+import signal
+
+if __name__ == "__main__":
+    # NOTE: before the imports below (torch: seconds). A terminal's Ctrl-C and SLURM's or a supervisor's
+    # SIGTERM reach the whole process group; the engine ends when its front end tells it to (after
+    # aborting with partial outputs) or exits, so a Ctrl-C while it loads prints no traceback here.
+    # The front end starts it with SIGINT blocked (process_client.py): ignored now, it is unblocked.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
 import json
 import logging
 import os
-import signal
 import sys
 import traceback
 from collections import deque
@@ -260,9 +270,5 @@ def engine_main(config: dict, rank: int, to_engine_addr: str, from_engine_addr: 
 
 
 if __name__ == "__main__":
-    # NOTE: a terminal's Ctrl-C and SLURM's or a supervisor's SIGTERM reach the whole process group; the
-    # engine ends when its front end tells it to (after aborting with partial outputs) or exits
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     _cfg, _rank, _to, _from, _port, _parent, _fd = sys.argv[1:8]
     engine_main(json.loads(_cfg), int(_rank), _to, _from, int(_port) or None, int(_parent), int(_fd))

@@ -12,6 +12,7 @@ import dataclasses
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -46,8 +47,15 @@ class EngineProcess:
         read, write = os.pipe()
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (PACKAGE_ROOT, env.get("PYTHONPATH")) if p)
-        self.proc = subprocess.Popen([sys.executable, "-m", "rollout.core.engine_proc", *args, str(write)],
-                                     pass_fds=(write,), env=env, close_fds=True)
+        # NOTE: the child inherits the signal mask: with SIGINT blocked while it is made, a Ctrl-C in its
+        # first moments (before engine_proc ignores SIGINT and unblocks it) is dropped, not a
+        # KeyboardInterrupt traceback from its interpreter's startup
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        try:
+            self.proc = subprocess.Popen([sys.executable, "-m", "rollout.core.engine_proc", *args, str(write)],
+                                         pass_fds=(write,), env=env, close_fds=True)
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         os.close(write)
         self.sentinel = read
         self.rank = rank

@@ -8,8 +8,12 @@ from pathlib import Path
 
 import torch
 
+<<<<<<< HEAD
 from rollout.config.backends import QUANTIZATIONS
 from rollout.models.quant.method import check_quantization_config
+=======
+from rollout.config.model_dir import check_model_dir
+>>>>>>> cli
 
 # architectures[0] -> "module:Class" (imported lazily: the model modules import ModelInfo from here)
 _ARCHITECTURES = {
@@ -65,10 +69,9 @@ def model_class(architecture: str) -> type:
 
 def read_config(model_path: str | Path) -> tuple[dict, dict | None]:
     """(config.json, generation_config.json or None) of a checkpoint directory."""
+    check_model_dir(str(model_path))
     path = Path(model_path)
     cfg_file = path / "config.json"
-    if not cfg_file.is_file():
-        raise ValueError(f"no config.json in model path {str(path)!r}")
     cfg = json.loads(cfg_file.read_text())
     gen_file = path / "generation_config.json"
     gen = json.loads(gen_file.read_text()) if gen_file.is_file() else None

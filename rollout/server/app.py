@@ -26,7 +26,7 @@ import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
-from typing import Any, AsyncIterator, Callable, Optional, Sequence
+from typing import Any, AsyncIterator, Callable
 
 from fastapi import FastAPI
 
@@ -45,6 +45,7 @@ from rollout.server.openai_routes import add_openai_routes
 from rollout.server.openai_serving import OpenAIServing
 from rollout.server.request_models import install_openapi
 from rollout.server.server_info import VERSION, add_debug_routes, add_info_routes
+from rollout.server.startup_error import StartupError
 from rollout.server.weight_session import WeightSession, add_weight_session_routes
 from rollout.server.weight_updater import WeightUpdater
 from rollout.server.worker_state_routes import add_worker_state_routes
@@ -117,20 +118,11 @@ def create_app(engine: Rollout, server_args: ServerArgs) -> FastAPI:
 
 
 # ---- entry point -----------------------------------------------------------------------------------
-def _bind(host: str, port: int) -> socket.socket:
-    family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
-                                                      flags=socket.AI_PASSIVE)[0]
-    sock = socket.socket(family, kind, proto)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(addr)
-    sock.listen(2048)
-    return sock
-
-
-def main(argv: Optional[Sequence[str]] = None) -> None:
+def serve(args: ServerArgs, sock: socket.socket) -> None:
+    """Loads the engine and serves on `sock` (bound by rollout/server/startup.py) until a signal or the
+    engine's death; a failure to start is a StartupError (one line)."""
     import uvicorn
 
-    args = ServerArgs.from_cli(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
         logger.warning("listening on %s without --api-key: anyone who can reach it may generate", args.host)
@@ -138,16 +130,13 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         from rollout.server.pickled_tensors import adopt_authkey  # noqa: PLC0415
 
         adopt_authkey(os.environ)
-    # NOTE: bound before the model loads: a taken port fails in a second, not after the load
-    try:
-        sock = _bind(args.host, args.port)
-    except OSError as exc:
-        print(f"rollout-serve: cannot listen on {args.host}:{args.port}: {exc.strerror or exc}", file=sys.stderr,
-              flush=True)
-        sys.exit(1)
     # NOTE: a SIGTERM while the model loads unwinds the load (engine processes stopped, files removed)
     signal.signal(signal.SIGTERM, lambda sig, frame: sys.exit(0))
-    engine = Rollout(config=args.engine)
+    try:
+        engine = Rollout(config=args.engine)
+    except (ValueError, OSError, RuntimeError) as exc:
+        sock.close()
+        raise StartupError.of(exc) from exc
     died: list[str] = []
     server = None
     try:
@@ -185,7 +174,3 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         sys.exit(1)
     if server.signal is not None:
         sys.exit(server.exit_code)
-
-
-if __name__ == "__main__":
-    main()

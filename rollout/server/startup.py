@@ -1,0 +1,72 @@
+"""rollout-serve's startup, up to the app: the flags, the port, the model directory; each failure is
+one line on stderr, never a traceback: a bad flag exits 2, a failure to start 1 (a taken port, a
+missing model directory or a Hub id, an engine that cannot load), and Ctrl-C before the server is
+up 130, as after. The port is bound and the model directory checked before torch is imported, so
+these fail in a second."""
+from __future__ import annotations
+
+import os
+import socket
+import sys
+from typing import NoReturn, Optional, Sequence
+
+from rollout.config.model_dir import check_model_dir
+from rollout.server.args import ServerArgs
+from rollout.server.startup_error import StartupError
+
+PROG = "rollout-serve"
+FAILED_EXIT = 1
+INTERRUPTED_EXIT = 130
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """The listening socket; StartupError when the address cannot be had."""
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                          flags=socket.AI_PASSIVE)[0]
+        sock = socket.socket(family, kind, proto)
+    except OSError as exc:
+        raise StartupError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(addr)
+        sock.listen(2048)
+    except OSError as exc:
+        sock.close()
+        raise StartupError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    return sock
+
+
+def _exit(code: int, line: str) -> NoReturn:
+    print(f"{PROG}: {line}", file=sys.stderr, flush=True)
+    sys.exit(code)
+
+
+def interrupted() -> NoReturn:
+    """Ctrl-C before the server is up: one line, exit 130. NOTE: os._exit, because CPython exits by
+    SIGINT itself (status -2, not 130) once a KeyboardInterrupt has crossed C code (torch's import),
+    even when it was caught; what the interrupted startup made is already undone."""
+    print(f"{PROG}: interrupted before the server was up", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(INTERRUPTED_EXIT)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    try:
+        args = ServerArgs.from_cli(argv)
+        # NOTE: bound before the model loads: a taken port fails in a second, not after the load
+        sock = bind(args.host, args.port)
+        try:
+            try:
+                check_model_dir(args.engine.model_path, "--model-path")
+            except ValueError as exc:
+                raise StartupError(str(exc)) from None
+            from rollout.server.app import serve  # noqa: PLC0415 (torch, FastAPI: seconds)
+        except BaseException:
+            sock.close()
+            raise
+        serve(args, sock)
+    except StartupError as exc:
+        _exit(FAILED_EXIT, f"error: {exc}")
+    except KeyboardInterrupt:
+        interrupted()
