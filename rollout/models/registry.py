@@ -8,12 +8,9 @@ from pathlib import Path
 
 import torch
 
-<<<<<<< HEAD
 from rollout.config.backends import QUANTIZATIONS
-from rollout.models.quant.method import check_quantization_config
-=======
 from rollout.config.model_dir import check_model_dir
->>>>>>> cli
+from rollout.models.quant.method import check_quantization_config
 
 # architectures[0] -> "module:Class" (imported lazily: the model modules import ModelInfo from here)
 _ARCHITECTURES = {
