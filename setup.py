@@ -25,6 +25,7 @@ setup(
         "msgspec>=0.18",      # their typed msgpack encoding
         "pydantic>=2",        # the server's request models (/openapi.json)
         "google-re2>=1.1",    # stop_regex: linear-time matching (rollout/stop_pattern.py)
+        "prometheus_client>=0.20",   # /metrics (rollout/server/metrics.py)
     ],
     extras_require={
         "train": ["deepspeed>=0.15", "datasets>=2.19", "wandb>=0.17"],

@@ -108,6 +108,7 @@ class RolloutOutput:
     num_retractions: int = 0
     input_logprobs: Optional[list[float]] = None      # prompt tokens logprob_start_len+1 .. (logprob_start_len >= 0)
     input_top_logprobs: Optional[list[list[tuple[float, int]]]] = None
+    e2e_latency: float = field(default=0.0, compare=False)   # seconds from the call's arrival to this output
 
     @property
     def prompt_tokens(self) -> int:

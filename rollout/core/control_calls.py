@@ -179,9 +179,13 @@ class ControlCalls:
                  "token_usage": used / total if total else 0.0, **self._expert_report}]
 
     def stats_report(self) -> dict:
-        return dict(self.stats, num_retractions=self.scheduler.num_retractions, kv_used=self.kv_pool.used(),
-                    kv_total=self.kv_pool.num_slots, running=len(self.scheduler.running),
-                    waiting=len(self.scheduler.waiting),
+        sched = self.scheduler
+        return dict(self.stats, num_retractions=sched.num_retractions, kv_used=self.kv_pool.used(),
+                    kv_total=self.kv_pool.num_slots, kv_evictable=self.cache.evictable_size(),
+                    running=len(sched.running), waiting=len(sched.waiting),
+                    prefill_new_seqs=sched.num_admitted, prefill_new_tokens=sched.num_prefill_tokens,
+                    prefill_cached_tokens=sched.num_cached_prefill_tokens, **self.outputs.latency.report(),
+                    capture_buffer_rows=self.capturer.buffer.rows if self.capturer is not None else 0,
                     capture_buffer_bytes=self.capturer.buffer.nbytes if self.capturer is not None else 0,
                     capture_store_bytes=self.capturer.store.nbytes if self.capturer is not None else 0,
                     cpu_affinity=sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,

@@ -78,7 +78,8 @@ def req_from_spec(spec: ReqSpec) -> Req:
                top_logprobs_num=spec.top_logprobs_num, return_routed_experts=spec.return_routed_experts,
                routed_experts_start_len=spec.routed_experts_start_len, emit_interval=spec.emit_interval,
                max_total_len=spec.max_total_len, routed_dp_rank=spec.routed_dp_rank,
-               cache_ns=cache_namespace(spec.cache_salt), prompt_logprob_start=spec.prompt_logprob_start)
+               cache_ns=cache_namespace(spec.cache_salt), prompt_logprob_start=spec.prompt_logprob_start,
+               arrival_time=spec.arrival_time)
 
 
 class StepSync:

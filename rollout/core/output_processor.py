@@ -9,12 +9,14 @@ strings and encodes (rollout/frontend/).
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any, Optional, Sequence
 
 import torch
 
 from rollout.batch.host_device import to_device
 from rollout.core.request import Req, ReqStatus
+from rollout.core.token_latency import TokenLatency
 from rollout.exec.sampler import sample
 from rollout.generate_io import FinishReason
 from rollout.ipc.messages import ReqUpdate, floats, ints
@@ -37,6 +39,7 @@ class OutputProcessor:
         # NOTE: routing rows travel as int16 (logical ids and -1) unless the expert count needs int32
         self._routing_dtype = torch.int16 if num_experts < 2**15 else torch.int32
         self.outbox: list[ReqUpdate] = []
+        self.latency = TokenLatency()             # time to first token, inter-token latency
 
     def take(self) -> list[ReqUpdate]:
         out, self.outbox = self.outbox, []
@@ -97,6 +100,9 @@ class OutputProcessor:
     def _append(self, reqs: list[Req], next_ids: list, logprobs: list, finite: list, *top: list) -> None:
         """Appends each request's sampled token; finishes it, or sends its stream delta when due."""
         eos = self._eos_set
+        now = time.time()
+        firsts: list[float] = []
+        gaps: list[float] = []
         for j, req in enumerate(reqs):
             if not finite[j]:
                 self._fail_nonfinite(req, "the forward produced non-finite logits (NaN or inf)")
@@ -108,6 +114,11 @@ class OutputProcessor:
             tok = next_ids[j]
             out_ids = req.output_ids
             out_ids.append(tok)
+            if req.last_token_time:
+                gaps.append(now - req.last_token_time)
+            elif req.arrival_time:
+                firsts.append(now - req.arrival_time)
+            req.last_token_time = now
             req.output_logprobs.append(logprobs[j])
             if req.top_logprobs_num:
                 n = req.top_logprobs_num
@@ -124,6 +135,7 @@ class OutputProcessor:
                 self.finish(req, reason)
             elif req.emit_interval and len(out_ids) - req.sent_tokens >= req.emit_interval:
                 self._update(req)
+        self.latency.observe(firsts, gaps)
 
     @staticmethod
     def _record_prompt_logprobs(batch: Any, token_logits: torch.Tensor) -> None:

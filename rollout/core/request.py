@@ -50,6 +50,7 @@ class Req:
     routed_dp_rank: Optional[int] = None  # DP attention: the rank this request must run on (None = any)
     cache_ns: int = 0                    # prefix-cache namespace (cache_salt / extra_key): 0 = shared
     prompt_logprob_start: int = -1       # logprob_start_len: input logprobs for positions start+1.. (-1: none)
+    arrival_time: float = 0.0            # time.time() of its arrival at the front end (0: unknown)
 
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
@@ -71,6 +72,7 @@ class Req:
     input_logprobs: list[float] = field(default_factory=list)   # of prompt tokens start+1 .. len-1
     input_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
     sent_input_logprobs: bool = False    # an update carried the prompt logprobs
+    last_token_time: float = 0.0         # time.time() of the step that sampled its latest token (0: none yet)
 
     @property
     def fill_ids(self) -> list[int]:

@@ -46,6 +46,10 @@ class Scheduler:
         # while set (a weight update waits), only requests that arrived up to this number are admitted
         self.admit_limit: Optional[int] = None
         self.num_retractions = 0
+        # prefill totals: admissions, prompt tokens computed, prompt tokens found in the prefix cache
+        self.num_admitted = 0
+        self.num_prefill_tokens = 0
+        self.num_cached_prefill_tokens = 0
         # True unless no running request can be mid-prefill (set on every prefill scheduling)
         self._maybe_chunked = False
 
@@ -219,7 +223,10 @@ class Scheduler:
             self.req_to_token.write(req.req_to_token_row, req.kv_len, slots)
             req.kv_len += take
             budget -= take
+            self.num_prefill_tokens += take
             if is_new:
+                self.num_admitted += 1
+                self.num_cached_prefill_tokens += req.cache_len
                 if not req.scheduled_once:
                     req.cached_tokens = req.cache_len
                     req.scheduled_once = True

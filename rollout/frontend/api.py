@@ -58,6 +58,7 @@ class Rollout(WeightControl):
         self._requests = RequestTable()
         self._feeders = LoopFeeders()
         self._dead_listeners: list[Callable[[str], None]] = []
+        self._finish_listeners: list[Callable[[list[RolloutOutput]], None]] = []
         self._meta_model: Optional[torch.nn.Module] = None
         self._stopping = False
         self.paused_mode: Optional[str] = None
@@ -82,9 +83,15 @@ class Rollout(WeightControl):
     # ---- what the engine sends -----------------------------------------------------------------
     def _on_updates(self, updates: list[ReqUpdate]) -> None:
         """Runs on the client's receiver thread (the engine thread, in-process)."""
-        deliveries, stopped = self._requests.apply(updates)
+        deliveries, stopped, finished = self._requests.apply(updates)
         if stopped:
             self._client.abort(stopped, "stop string matched")
+        if finished:
+            for fn in self._finish_listeners:
+                try:
+                    fn(finished)
+                except Exception:  # noqa: BLE001 (an observer's bug must not stop the receiver)
+                    logger.exception("finish listener failed")
         for sink, items in deliveries:
             for item in items:
                 sink(item)
@@ -102,6 +109,11 @@ class Rollout(WeightControl):
     def add_dead_listener(self, fn: Callable[[str], None]) -> None:
         """fn(reason) is called once if the engine dies (rollout-serve exits non-zero on it)."""
         self._dead_listeners.append(fn)
+
+    def add_finish_listener(self, fn: Callable[[list[RolloutOutput]], None]) -> None:
+        """fn(outputs) is called with the outputs of the requests that finished in one engine message,
+        before their callers receive them, on the client's receiver thread (keep it short)."""
+        self._finish_listeners.append(fn)
 
     def _call(self, method: str, *args: Any) -> list[Any]:
         """An engine command (an EngineCore method: rollout/core/engine_proc.py, CALLS) on every rank."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import random
+import time
 import uuid
 from typing import Any, Optional, Sequence, Union
 
@@ -98,6 +99,7 @@ class RequestBuilder:
     def build(self, args: GenerateArgs) -> Groups:
         """Every field of args checked (each per-prompt field: one value for every prompt or a list with
         one per prompt); per prompt, its group of (ReqSpec, RequestState), one per sample."""
+        arrival = time.time()   # NOTE: wall clock: the engine process measures time to first token from it
         self._check_serving()
         batch = self._prompt_ids(args.prompts, args.input_ids)
         count = len(batch)
@@ -115,7 +117,7 @@ class RequestBuilder:
             seed = p.sampling_seed if p.sampling_seed is not None else self._rng.getrandbits(63)
             children = self._children(base_rid, p.n, seen)
             groups.append(self._group(ids, p, base_rid, children, seed, args.stream, lp=lp, top=top, route=route, salt=salt,
-                                      lp_start=lp_start, start=start, dp_rank=dp_rank))
+                                      lp_start=lp_start, start=start, dp_rank=dp_rank, arrival=arrival))
         return groups
 
     def _check_serving(self) -> None:
@@ -195,7 +197,7 @@ class RequestBuilder:
 
     def _group(self, ids: list[int], p: SamplingParams, base_rid: str, children: list[str], seed: int, stream: bool,
                *, lp: bool, top: int, route: bool, salt: Optional[str], lp_start: int, start: int,
-               dp_rank: Optional[int]) -> list[tuple[ReqSpec, RequestState]]:
+               dp_rank: Optional[int], arrival: float) -> list[tuple[ReqSpec, RequestState]]:
         engine_params = {f.name: getattr(p, f.name) for f in dataclasses.fields(p)}
         # NOTE: stop strings and patterns are the front end's (RequestState)
         engine_params["stop"], engine_params["stop_regex"] = (), ()
@@ -207,12 +209,13 @@ class RequestBuilder:
                 uid=next(self._uids), rid=child, group_rid=base_rid,
                 prompt_ids=list(ids), params=p, stream=stream, stream_interval=interval, return_logprob=lp,
                 top_logprobs_num=top, return_routed_experts=route, routed_experts_start_len=start,
-                decode=self._decode, routing=self.routing, prompt_logprob_start=lp_start)
+                decode=self._decode, routing=self.routing, prompt_logprob_start=lp_start, arrival=arrival)
             spec = ReqSpec(uid=st.uid, rid=child, prompt_ids=prompt, params=engine_params,
                            seed=derive_seed(seed, k), return_logprob=lp, top_logprobs_num=top,
                            return_routed_experts=route, routed_experts_start_len=start,
                            emit_interval=st.emit_interval, max_total_len=self.context_length,
-                           routed_dp_rank=dp_rank, cache_salt=salt, prompt_logprob_start=lp_start)
+                           routed_dp_rank=dp_rank, cache_salt=salt, prompt_logprob_start=lp_start,
+                           arrival_time=arrival)
             group.append((spec, st))
         return group
 

@@ -14,6 +14,7 @@ shared by the caller's threads and the engine client's receiver thread: every ac
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
@@ -40,10 +41,11 @@ class RequestState:
                  stream: bool, stream_interval: int, return_logprob: bool, top_logprobs_num: int,
                  return_routed_experts: bool, routed_experts_start_len: int,
                  decode: Callable[[list[int], bool], str], routing: Optional[RoutingShape],
-                 prompt_logprob_start: int = -1):
+                 prompt_logprob_start: int = -1, arrival: float = 0.0):
         self.uid, self.rid, self.prompt_ids, self.params = uid, rid, prompt_ids, params
         self.group_rid = group_rid           # the caller's rid (rid_k are its n > 1 samples)
         self.prompt_logprob_start = prompt_logprob_start
+        self.arrival = arrival or time.time()   # time.time() of the call that made it
         self.stream, self.interval = stream, stream_interval
         self.return_logprob, self.top_logprobs_num = return_logprob, top_logprobs_num
         self.start_len = routed_experts_start_len
@@ -65,6 +67,7 @@ class RequestState:
         self.sent_text_len = 0
         self.sent_rows = 0
         self.done = False
+        self.output: Optional[RolloutOutput] = None   # once done
 
     @property
     def emit_interval(self) -> int:
@@ -171,7 +174,8 @@ class RequestState:
             routed_experts=self._routing_tensor(0), routed_experts_start_len=self.start_len,
             num_experts=self.routing.num_experts if self.routing else 0,
             moe_layer_ids=self.routing.moe_layer_ids if self.routing else (), num_retractions=upd.num_retractions,
-            **(self.input_lp or self._input_logprobs(upd)))
+            e2e_latency=time.time() - self.arrival, **(self.input_lp or self._input_logprobs(upd)))
+        self.output = output
         if self.stream:
             return [self._chunk(finished=True, output=output)]
         return [output]
@@ -249,11 +253,13 @@ class RequestTable:
                 if st.uid in self._states:
                     self._forget(st)
 
-    def apply(self, updates: list[ReqUpdate]) -> tuple[Deliveries, list[int]]:
-        """Applies the engine's updates: (sink, items) to deliver, and the uids that hit a stop
-        string (the engine must abort them). Finished requests leave the table."""
+    def apply(self, updates: list[ReqUpdate]) -> tuple[Deliveries, list[int], list[RolloutOutput]]:
+        """Applies the engine's updates: (sink, items) to deliver, the uids that hit a stop string
+        (the engine must abort them) and the outputs of the requests that finished. Finished requests
+        leave the table."""
         deliveries: Deliveries = []
         stopped: list[int] = []
+        finished: list[RolloutOutput] = []
         with self._lock:
             for upd in updates:
                 st = self._states.get(upd.uid)
@@ -264,9 +270,10 @@ class RequestTable:
                     stopped.append(upd.uid)
                 if st.done:
                     self._forget(st)
+                    finished.append(st.output)
                 if items:
                     deliveries.append((st.sink, items))
-        return deliveries, stopped
+        return deliveries, stopped, finished
 
     def uids(self) -> list[int]:
         with self._lock:

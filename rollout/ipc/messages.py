@@ -29,6 +29,7 @@ class ReqSpec(msgspec.Struct, kw_only=True, array_like=True):
     routed_dp_rank: Optional[int] = None
     cache_salt: Optional[str] = None     # prefix-cache isolation (cache_salt / extra_key): None = shared
     prompt_logprob_start: int = -1       # logprob_start_len for prompt logprobs (-1: none)
+    arrival_time: float = 0.0            # time.time() when the front end received it (time to first token)
 
 
 class AddReqs(msgspec.Struct, tag=True, array_like=True):

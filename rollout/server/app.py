@@ -11,7 +11,8 @@ Errors: every rejected request gets a 4xx with {"error": {"message", "type", "pa
 
 This module builds the app and runs uvicorn; the routes live with their area: generate_routes.py,
 openai_routes.py, control_routes.py, health.py, server_info.py and metrics.py; guard.py (API keys,
-body size) and error_handlers.py wrap them all.
+body size) and error_handlers.py wrap them all. When the app starts it logs one line (model, dtype,
+KV, capture, dp, URL); batch_log.py logs the busy server's batch lines.
 """
 from __future__ import annotations
 
@@ -33,7 +34,9 @@ from fastapi import FastAPI
 from rollout.cpu_affinity import keep_off
 from rollout.frontend.api import Rollout
 from rollout.server.args import ServerArgs
+from rollout.server.batch_log import BatchLog
 from rollout.server.control_routes import add_control_routes
+from rollout.server.engine_collector import EngineCollector
 from rollout.server.error_handlers import add_error_handlers
 from rollout.server.generate_routes import add_generate_routes
 from rollout.server.graceful_server import GracefulServer, ShutdownState
@@ -44,7 +47,7 @@ from rollout.server.metrics import Metrics, add_metrics_route
 from rollout.server.openai_routes import add_openai_routes
 from rollout.server.openai_serving import OpenAIServing
 from rollout.server.request_models import install_openapi
-from rollout.server.server_info import VERSION, add_debug_routes, add_info_routes
+from rollout.server.server_info import VERSION, ServerInfo, add_debug_routes, add_info_routes
 from rollout.server.startup_error import StartupError
 from rollout.server.weight_session import WeightSession, add_weight_session_routes
 from rollout.server.weight_updater import WeightUpdater
@@ -70,25 +73,34 @@ def _started_pool(workers: int, prefix: str) -> ThreadPoolExecutor:
     return pool
 
 
-def create_app(engine: Rollout, server_args: ServerArgs) -> FastAPI:
-    """The FastAPI app serving `engine`; the caller owns (and shuts down) the engine."""
+def create_app(engine: Rollout, server_args: ServerArgs, *, url: str = "") -> FastAPI:
+    """The FastAPI app serving `engine`; the caller owns (and shuts down) the engine. url: where it
+    serves (for the line logged when it is ready)."""
     args = server_args
     control_pool = _started_pool(8, "rollout-control")
     weight_pool = _started_pool(4, "rollout-weights")
     offloop_pool = _started_pool(4, "rollout-offloop")   # asyncio.to_thread's (parsing, tokenizing)
-    updater = WeightUpdater(engine, args.weight_dirs)
+    ignored = IgnoredFields()
+    metrics = Metrics(set(), ignored, model_name=args.model_name)
+    batch_log = BatchLog(engine)
+    metrics.registry.register(EngineCollector(engine, metrics.labels, ignored, batch_log))
+    engine.add_finish_listener(metrics.finished)
+    updater = WeightUpdater(engine, args.weight_dirs, on_update=metrics.weight_update)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        asyncio.get_running_loop().set_default_executor(offloop_pool)
+        loop = asyncio.get_running_loop()
+        loop.set_default_executor(offloop_pool)
+        stats = await loop.run_in_executor(control_pool, engine.stats)
+        logger.info("%s", ServerInfo(engine, args).ready_line(url, stats))
+        await loop.run_in_executor(control_pool, batch_log.start)
         yield
+        await loop.run_in_executor(None, batch_log.stop)
         for pool in (control_pool, weight_pool, offloop_pool):
             pool.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="rollout-serve", version=VERSION, docs_url="/docs", redoc_url=None,
                   openapi_url="/openapi.json", lifespan=lifespan, **_NO_TELEMETRY)
-    ignored = IgnoredFields()
-    metrics = Metrics(set(), ignored)
     app.state.engine = engine
     app.state.updater = updater
     app.state.shutdown = shutdown = ShutdownState()
@@ -108,7 +120,7 @@ def create_app(engine: Rollout, server_args: ServerArgs) -> FastAPI:
     add_worker_state_routes(app, engine=engine, blocking=blocking, ignored=ignored)
     add_health_routes(app, engine)
     add_info_routes(app, engine=engine, args=args, blocking=blocking)
-    add_metrics_route(app, engine=engine, metrics=metrics, blocking=blocking)
+    add_metrics_route(app, metrics=metrics, blocking=blocking)
     if args.enable_debug_endpoints:
         add_debug_routes(app, engine=engine, blocking=blocking)
     install_openapi(app, VERSION)
@@ -140,10 +152,10 @@ def serve(args: ServerArgs, sock: socket.socket) -> None:
     died: list[str] = []
     server = None
     try:
-        app = create_app(engine, args)
         host, port = sock.getsockname()[:2]
-        shown = f"[{host}]" if ":" in host else host
-        print(f"rollout-serve listening on http://{shown}:{port}", flush=True)
+        url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+        app = create_app(engine, args, url=url)
+        print(f"rollout-serve listening on {url}", flush=True)
         config = uvicorn.Config(app, log_level=args.log_level, timeout_keep_alive=args.timeout_keep_alive,
                                 http=timed_protocol(args.timeout_read, args.connection_cap), access_log=args.log_level == "debug")
         server = GracefulServer(config, engine=engine, drain_s=args.shutdown_drain_s, state=app.state.shutdown)

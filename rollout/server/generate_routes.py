@@ -254,7 +254,6 @@ def add_generate_routes(app: FastAPI, *, engine: Rollout, args: ServerArgs, metr
         decode = lambda t: engine.tokenizer.decode([t], skip_special_tokens=False)  # noqa: E731
         if not call.stream:
             outs = await es.outputs(request)
-            metrics.finished(outs)
 
             def encode() -> tuple[bytes, list[int]]:
                 answer = as_response(call, outs, es.submission.prompt_index, decode)

@@ -87,7 +87,6 @@ class GenerateStream:
 
     def _final_meta(self, chunk: StreamChunk, *, with_routing: bool) -> dict:
         out = chunk.output
-        self.metrics.finished([out])
         if not with_routing and out.routed_experts is not None:
             meta = self.call.meta_info(dataclasses.replace(out, routed_experts=None), self.prompt_of[chunk.rid],
                                        self.decode)

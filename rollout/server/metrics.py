@@ -1,103 +1,105 @@
-"""Metrics: the server's Prometheus counters (engine gauges are read at scrape time) and /metrics."""
+"""Metrics: the server's Prometheus metrics in a CollectorRegistry of its own, and /metrics.
+
+What the front end sees is counted as it happens (HTTP answers, finished requests, routing bytes,
+weight-update time, end-to-end latency); what the engine knows is read from it at scrape time
+(EngineCollector: queue, KV, throughput, time to first token, inter-token latency). Metric names
+are SGLang's (`sglang:*`, python/sglang/srt/metrics/collector.py) where they mean the same thing,
+so SGLang's dashboards read this server, beside the project's own `rollout_*`.
+"""
 from __future__ import annotations
 
-import threading
-from collections import Counter
-from typing import Any, Awaitable, Callable, Sequence
+from typing import Any, Awaitable, Callable, Optional, Sequence
 
 from fastapi import FastAPI
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.exposition import generate_latest
 from starlette.responses import Response
 
-from rollout.frontend.api import Rollout
 from rollout.generate_io import RolloutOutput
 from rollout.server.http_io import IgnoredFields
 
+# SGLang's buckets (TokenizerMetricsCollector: e2e request latency, retractions per request)
+E2E_BUCKETS = (0.1, 0.2, 0.4, 0.6, 0.8, 1.0, 2.0, 4.0, 6.0, 8.0, 10.0, 20.0, 40.0, 60.0, 80.0, 100.0, 200.0, 400.0,
+               600.0, 1200.0, 1800.0, 2400.0)
+RETRACTION_BUCKETS = (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 15, 20, 25, 30, 40, 50, 75, 100)
+WEIGHT_UPDATE_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+ENGINE_TYPE = "unified"   # SGLang's label for a server that both prefills and decodes
+TEXT_FORMAT = "text/plain; version=0.0.4; charset=utf-8"
+
 
 class Metrics:
-    """Server-side counters; engine gauges are read at scrape time."""
+    """Per server (no process-global registry: several servers may share a process)."""
 
-    def __init__(self, known_paths: set[str], ignored: IgnoredFields):
-        self._lock = threading.Lock()
+    def __init__(self, known_paths: set[str], ignored: Optional[IgnoredFields], *, model_name: str = ""):
         self.known_paths = known_paths
         self.ignored = ignored
-        self.http: Counter = Counter()
-        self.finish: Counter = Counter()
-        self.routing: Counter = Counter()
-        self.routing_msgs: Counter = Counter()
-        self.output_tokens = 0
+        self.labels = {"model_name": model_name, "engine_type": ENGINE_TYPE}
+        self.registry = r = CollectorRegistry(auto_describe=False)
+        names = list(self.labels)
+        self._http = Counter("rollout_http_requests", "HTTP requests by path and status", ["path", "status"],
+                             registry=r)
+        self._finish = Counter("rollout_requests_finished", "generation requests finished, by finish reason",
+                               ["reason"], registry=r)
+        self._routing = Counter("rollout_routed_experts_bytes", "routed-expert bytes sent (base64), by wire format",
+                                ["format"], registry=r)
+        self._routing_msgs = Counter("rollout_routed_experts_messages",
+                                     "responses/chunks carrying routed experts, by format", ["format"], registry=r)
+        self._weight_update = Histogram(
+            "rollout_weight_update_seconds", "weight updates that succeeded, from the call to the new weights serving "
+            "(checks, reading, staging, waiting for earlier requests, copying), by source", ["source"],
+            buckets=WEIGHT_UPDATE_BUCKETS, registry=r)
+        # SGLang's TokenizerMetricsCollector, observed when a request finishes
+        self._prompt_tokens = Counter("sglang:prompt_tokens", "Number of prefill tokens processed.", names,
+                                      registry=r).labels(**self.labels)
+        self._generation_tokens = Counter("sglang:generation_tokens", "Number of generation tokens processed.",
+                                          names, registry=r).labels(**self.labels)
+        self._cached_tokens = Counter("sglang:cached_tokens", "Number of cached prompt tokens.", names,
+                                      registry=r).labels(**self.labels)
+        self._requests = Counter("sglang:num_requests", "Number of requests processed.", names,
+                                 registry=r).labels(**self.labels)
+        self._aborted = Counter("sglang:num_aborted_requests", "Number of requests aborted.", names,
+                                registry=r).labels(**self.labels)
+        self._e2e = Histogram("sglang:e2e_request_latency_seconds",
+                              "Histogram of End-to-end request latency in seconds", names, buckets=E2E_BUCKETS,
+                              registry=r).labels(**self.labels)
+        self._retractions = Histogram("sglang:num_retractions", "Histogram of retraction counts per request.",
+                                      names, buckets=RETRACTION_BUCKETS, registry=r).labels(**self.labels)
 
+    # ---- what the front end sees -----------------------------------------------------------------
     def request(self, path: str, status: int) -> None:
-        with self._lock:
-            self.http[(path if path in self.known_paths else "other", status)] += 1
+        self._http.labels(path if path in self.known_paths else "other", str(status)).inc()
 
     def routing_bytes(self, fmt: str, n: int) -> None:
-        with self._lock:
-            self.routing[fmt] += n
-            self.routing_msgs[fmt] += 1
+        self._routing.labels(fmt).inc(n)
+        self._routing_msgs.labels(fmt).inc()
+
+    def weight_update(self, source: str, seconds: float) -> None:
+        self._weight_update.labels(source).observe(seconds)
 
     def finished(self, outs: Sequence[RolloutOutput]) -> None:
-        with self._lock:
-            for out in outs:
-                self.finish[out.finish_reason] += 1
-                self.output_tokens += out.completion_tokens
+        """Every finished request, whatever asked for it (Rollout.add_finish_listener)."""
+        for out in outs:
+            self._finish.labels(out.finish_reason).inc()
+            self._prompt_tokens.inc(out.prompt_tokens)
+            self._generation_tokens.inc(out.completion_tokens)
+            if out.cached_tokens:
+                self._cached_tokens.inc(out.cached_tokens)
+            self._requests.inc()
+            if out.finish_reason == "abort":
+                self._aborted.inc()
+            self._e2e.observe(out.e2e_latency)
+            self._retractions.observe(out.num_retractions)
 
-    def render(self, stats: dict, loads: list[dict], engine: Rollout) -> str:
-        lines: list[str] = []
+    def render(self) -> bytes:
+        """The Prometheus text exposition; reads the engine (blocking: call it off the event loop).
 
-        def metric(name: str, kind: str, help_: str, samples: list[tuple[str, float]]) -> None:
-            lines.append(f"# HELP rollout_{name} {help_}")
-            lines.append(f"# TYPE rollout_{name} {kind}")
-            for labels, value in samples:
-                lines.append(f"rollout_{name}{labels} {value}")
-
-        with self._lock:
-            http = sorted(self.http.items())
-            finish = sorted(self.finish.items())
-            routing = sorted(self.routing.items())
-            msgs = sorted(self.routing_msgs.items())
-        metric("http_requests_total", "counter", "HTTP requests by path and status",
-               [(f'{{path="{p}",status="{s}"}}', v) for (p, s), v in http])
-        metric("requests_finished_total", "counter", "generation requests finished, by finish reason",
-               [(f'{{reason="{r}"}}', v) for r, v in finish])
-        metric("engine_requests_finished_total", "counter", "requests finished in the engine (all APIs)",
-               [("", stats["finished_requests"])])
-        metric("engine_requests_aborted_total", "counter", "requests aborted in the engine",
-               [("", stats["aborted_requests"])])
-        metric("engine_nonfinite_logits_aborts_total", "counter",
-               "requests aborted because their next token had no finite distribution (NaN/inf logits)",
-               [("", stats.get("nonfinite_logits_aborts", 0))])
-        metric("prompt_tokens_total", "counter", "prompt tokens received", [("", stats["prompt_tokens"])])
-        metric("generation_tokens_total", "counter", "tokens generated", [("", stats["generated_tokens"])])
-        metric("forwards_total", "counter", "model forwards by kind",
-               [('{kind="prefill"}', stats["num_prefill_forwards"]), ('{kind="decode"}', stats["num_decode_forwards"])])
-        metric("retractions_total", "counter", "requests retracted (preempted)", [("", stats["num_retractions"])])
-        metric("weight_updates_total", "counter", "successful weight updates", [("", stats.get("weight_updates", 0))])
-        for key, name, help_ in (("num_running_reqs", "num_running_reqs", "requests holding KV"),
-                                 ("num_waiting_reqs", "num_queue_reqs", "requests waiting in the queue"),
-                                 ("num_used_tokens", "kv_used_tokens", "KV slots in use (requests + prefix cache)"),
-                                 ("num_cached_tokens", "kv_cached_tokens", "KV slots held by the prefix cache"),
-                                 ("max_total_num_tokens", "kv_total_tokens", "KV slots in the pool"),
-                                 ("token_usage", "kv_usage", "fraction of KV slots in use")):
-            metric(name, "gauge", help_, [(f'{{dp_rank="{ld["dp_rank"]}"}}', ld[key]) for ld in loads])
-        metric("paused", "gauge", "1 while generation is paused", [("", int(engine.paused_mode is not None))])
-        metric("routed_experts_bytes_total", "counter", "routed-expert bytes sent (base64), by wire format",
-               [(f'{{format="{f}"}}', v) for f, v in routing])
-        metric("routed_experts_messages_total", "counter", "responses/chunks carrying routed experts, by format",
-               [(f'{{format="{f}"}}', v) for f, v in msgs])
-        metric("ignored_fields_total", "counter", "unknown request fields accepted and ignored, by endpoint and name",
-               [(f'{{endpoint="{e}",field="{n}"}}', v) for e, n, v in self.ignored.samples()])
-        if stats.get("capture_buffer_bytes"):   # (summed over DP ranks)
-            metric("capture_host_store_bytes", "gauge", "routed-expert host store size",
-                   [("", stats["capture_store_bytes"])])
-            metric("capture_device_buffer_bytes", "gauge", "routed-expert device buffer size",
-                   [("", stats["capture_buffer_bytes"])])
-        return "\n".join(lines) + "\n"
+        NOTE: always the classic text format, also when a scraper asks for OpenMetrics (Prometheus
+        does): prometheus_client's OpenMetrics writer turns the `:` of sample names into `_`
+        (`sglang_num_running_reqs`), which SGLang's dashboards would not find."""
+        return generate_latest(self.registry)
 
 
-def add_metrics_route(app: FastAPI, *, engine: Rollout, metrics: Metrics,
-                      blocking: Callable[..., Awaitable[Any]]) -> None:
+def add_metrics_route(app: FastAPI, *, metrics: Metrics, blocking: Callable[..., Awaitable[Any]]) -> None:
     @app.get("/metrics")
     async def prometheus() -> Response:
-        stats = await blocking(engine.stats)
-        loads = await blocking(engine.loads)
-        return Response(metrics.render(stats, loads, engine), media_type="text/plain; version=0.0.4")
+        return Response(await blocking(metrics.render), media_type=TEXT_FORMAT)

@@ -306,7 +306,6 @@ class OpenAIServing:
         meta = {"id": f"{id_prefix}-{uuid.uuid4().hex}", "created": int(time.time()), "model": self.model_name}
         if not stream:
             outs = await es.outputs(request)
-            self.metrics.finished(outs)
 
             def build() -> bytes:
                 return dumps_bytes(self._answer(outs, es, meta, whole, fmt, body_of, token_ids))

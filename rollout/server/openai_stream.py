@@ -62,7 +62,6 @@ def openai_stream(serving: Any, es: EngineStream, meta: dict, chunk_obj: str, fm
             yield sse(error_body(str(exc), "server_error", code=503))
             yield "data: [DONE]\n\n"
             return
-        serving.metrics.finished(finals)
         if include_usage:
             finals.sort(key=lambda o: index[o.rid])
             usage = serving._usage(finals, es.submission.prompt_index)

@@ -11,6 +11,7 @@ from typing import Any, Awaitable, Callable
 from fastapi import FastAPI
 from starlette.responses import Response
 
+from rollout.models.registry import read_config, resolve_dtype
 from rollout.server.args import ServerArgs
 from rollout.server.http_io import json_response
 
@@ -69,6 +70,17 @@ class ServerInfo:
             "admin_api_key": "<set>" if a.admin_api_key else None, "attention_backend": "torch_native",
             "cuda_graph_bs": list(e.decode_graph_batch_sizes), "disable_cuda_graph": not e.decode_graph_batch_sizes,
         }
+
+    def ready_line(self, url: str, stats: dict) -> str:
+        """The one line a server logs when it is ready (stats: Rollout.stats())."""
+        engine, cfg = self.engine, self.engine.config
+        dtype = str(resolve_dtype(cfg.dtype, read_config(cfg.model_path)[0])).removeprefix("torch.")
+        per_rank = " per rank" if cfg.dp_size > 1 else ""
+        rows = (stats.get("dp_ranks") or [stats])[0].get("capture_buffer_rows", 0)
+        capture = f"routed-expert capture {rows} rows{per_rank}" if rows else "routed-expert capture off"
+        return (f"ready: model {cfg.model_path} ({engine.info.architecture}, {dtype}), KV cache "
+                f"{engine.kv_capacity} tokens{per_rank}, context {engine.context_length}, {capture}, "
+                f"dp {cfg.dp_size}, serving {url}")
 
     def server_info(self, stats: dict, loads: list[dict]) -> dict[str, Any]:
         internal = [{**stats, "dp_rank": ld["dp_rank"], "load": ld,

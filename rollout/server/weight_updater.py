@@ -16,7 +16,8 @@ import logging
 import math
 import os
 import threading
-from typing import Any, Callable
+import time
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -51,10 +52,14 @@ def _dtype(name: Any) -> torch.dtype:
 
 
 class WeightUpdater:
-    def __init__(self, engine: Any, allowed_dirs: tuple[str, ...]):
+    def __init__(self, engine: Any, allowed_dirs: tuple[str, ...], *,
+                 on_update: Optional[Callable[[str, float], None]] = None):
+        """on_update(source, seconds): after each update that succeeded ("disk", "tensor" or
+        "distributed"; from the call to the new weights serving)."""
         self.engine = engine
         self.allowed_dirs = tuple(os.path.realpath(d) for d in allowed_dirs)
         self._swap_lock = threading.Lock()
+        self.on_update = on_update or (lambda source, seconds: None)
 
     # ---- validation and staging --------------------------------------------------------------------
     def stage(self, named: dict[str, torch.Tensor], *, require_all: bool, source: str) -> dict[str, torch.Tensor]:
@@ -87,10 +92,11 @@ class WeightUpdater:
         return staged
 
     def _swap(self, staged: dict[str, torch.Tensor] | Callable[[], dict[str, torch.Tensor]], weight_version: Any,
-              abort_all_requests: Any, source: str) -> dict:
+              abort_all_requests: Any, source: str, started: float) -> dict:
         with self._swap_lock:
             count = self.engine.swap_weights(staged, weight_version=weight_version,
                                              abort_all_requests=abort_all_requests)
+        self.on_update(source, time.perf_counter() - started)
         version = self.engine.weight_version
         logger.info("weights updated from %s: %d tensors, weight_version=%s", source, count, version)
         return {"success": True, "message": f"updated {count} tensors from {source}; prefix cache flushed",
@@ -155,17 +161,19 @@ class WeightUpdater:
         the requests are aborted (when asked) and admission held before the checkpoint is read, so
         a slow read cannot let queued requests start on the old weights meanwhile. NOTE: a
         checkpoint refused for its tensors (names, shapes, values) has then aborted them already."""
+        started = time.perf_counter()
         self.check_common(weight_version, abort_all_requests)
         files = self.checkpoint_files(model_path)
         source = f"checkpoint {os.path.basename(str(model_path))!r}"
         return self._swap(lambda: self.stage(self.read_files(files), require_all=True, source=source),
-                          weight_version, abort_all_requests, "disk")
+                          weight_version, abort_all_requests, "disk", started)
 
     # ---- from tensor bytes -----------------------------------------------------------------------
     def update_from_safetensors(self, data: bytes, weight_version: Any = None,
                                 abort_all_requests: Any = False) -> dict:
         from safetensors.torch import load
 
+        started = time.perf_counter()
         self.check_common(weight_version, abort_all_requests)
         if not data:
             raise WeightUpdateError("the body holds no safetensors data")
@@ -175,17 +183,18 @@ class WeightUpdater:
             raise WeightUpdateError(f"the body is not valid safetensors data: {type(exc).__name__}: {exc}") from None
         staged = self.stage(named, require_all=False, source="tensors")
         del named
-        return self._swap(staged, weight_version, abort_all_requests, "tensor")
+        return self._swap(staged, weight_version, abort_all_requests, "tensor", started)
 
     def update_from_tensors(self, named: dict[str, torch.Tensor], weight_version: Any = None,
                             abort_all_requests: Any = False, source: str = "tensors") -> dict:
         """Already deserialized HF-named tensors (e.g. SGLang's pickled form, when allowed).
 
         NOTE: they may share memory with the sender: copied first, so the checks hold for what is installed."""
+        started = time.perf_counter()
         self.check_common(weight_version, abort_all_requests)
         named = {k: v.detach().clone() for k, v in named.items()}
         staged = self.stage(named, require_all=False, source=source)
-        return self._swap(staged, weight_version, abort_all_requests, "tensor")
+        return self._swap(staged, weight_version, abort_all_requests, "tensor", started)
 
     # ---- over torch.distributed ------------------------------------------------------------------
     def init_group(self, *, master_address: Any, master_port: Any, rank_offset: Any, world_size: Any,
@@ -235,6 +244,7 @@ class WeightUpdater:
         receive (and drop) the tensors so the trainer's broadcasts do not hang; then the update is
         refused. Malformed metadata is refused here (nothing can be received without it).
         """
+        started = time.perf_counter()
         self.check_common(weight_version, abort_all_requests)
         if not all(isinstance(x, list) for x in (names, dtypes, shapes)):
             raise WeightUpdateError("names, dtypes and shapes must be lists")
@@ -264,6 +274,7 @@ class WeightUpdater:
                     weight_version=weight_version, abort_all_requests=abort_all_requests)
             except ValueError as exc:
                 raise WeightUpdateError(str(exc)) from None
+        self.on_update("distributed", time.perf_counter() - started)
         version = self.engine.weight_version
         logger.info("weights updated over torch.distributed: %d tensors, weight_version=%s", count, version)
         return {"success": True, "message": f"updated {count} tensors from distributed; prefix cache flushed",
