@@ -212,8 +212,10 @@ async def run_async(config: TrainConfig, *, hooks: Optional[Hooks] = None, serve
             wb = _Wandb(config)
             version = 0
             # NOTE: servers started by this loop begin at weight_version "0"; ones we connect to are
-            # brought in line by pushing the trainer's (identical) weights first.
-            if own_servers is None:
+            # brought in line by pushing the trainer's (identical) weights first. A bf16 trainer
+            # pushes too: the servers keep some tensors in fp32 (sigmoid routers' gates, gpt-oss's
+            # sinks) unrounded from an fp32 checkpoint, while DeepSpeed's module holds them in bf16.
+            if own_servers is None or config.train_dtype != "float32":
                 await sync.push(trainer.named_weights(), str(version))
             eval_reward = await _evaluate(client, eval_prompts, eval_records, reward_fn, decode, config, "0")
             result.evals.append((0, eval_reward))

@@ -23,6 +23,7 @@ __all__ = ["TrainConfig", "load_train_config", "ConfigError"]
 SYNC_MODES = ("disk", "tensor", "distributed")
 ROUTING_FORMATS = tuple(f.value for f in RoutedExpertsFormat)   # the codec's one list
 SERVER_DTYPES = ("auto", "float32", "bfloat16", "float16")
+TRAIN_DTYPES = ("float32", "bfloat16")
 _LOSS_KEYS = tuple(f.name for f in dataclasses.fields(LossConfig) if f.name != "temperature")
 
 
@@ -62,6 +63,7 @@ class TrainConfig:
     top_p: float = 1.0
     # ---- training
     exact: bool = False                     # exact on-policy: deterministic servers + exact-mode trainer
+    train_dtype: str = "float32"            # the trainer's forward; bfloat16: DeepSpeed bf16 over fp32 master weights
     router_replay: bool = True
     compare_no_replay: bool = True          # also measure live routing on the same rollouts
     lr: float = 5e-4
@@ -101,15 +103,16 @@ class TrainConfig:
         need(self.weight_sync in SYNC_MODES, "weight_sync", f"must be one of {SYNC_MODES}")
         need(self.routing_format in ROUTING_FORMATS, "routing_format", f"must be one of {ROUTING_FORMATS}")
         need(self.server_dtype in SERVER_DTYPES, "server_dtype", f"must be one of {SERVER_DTYPES}")
+        need(self.train_dtype in TRAIN_DTYPES, "train_dtype", f"must be one of {TRAIN_DTYPES}")
         need(self.wandb_mode in ("offline", "online", "disabled"), "wandb_mode",
              "must be offline, online or disabled")
         need(":" in self.reward, "reward", "must be 'module:function'")
         need(self.task in (None, "arithmetic"), "task", "must be 'arithmetic' or null (then give train_files)")
         if self.task is None:
             need(bool(self.train_files), "train_files", "must name prompt files when task is null")
-        if self.exact and self.server_dtype != "float32":
-            raise ConfigError(f"server_dtype: exact mode needs the trainer's dtype on the servers (float32), "
-                              f"got {self.server_dtype!r}")
+        if self.exact and self.server_dtype != self.train_dtype:
+            raise ConfigError(f"server_dtype: exact mode needs the trainer's dtype on the servers (train_dtype "
+                              f"{self.train_dtype}), got {self.server_dtype!r}")
         if self.samples_per_prompt < 2:
             raise ConfigError(f"samples_per_prompt: GRPO needs groups of at least 2, got {self.samples_per_prompt}")
         if self.exact:
