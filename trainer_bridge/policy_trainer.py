@@ -10,6 +10,13 @@ micro-batches: the experts each forward really used (``UsedExperts``, read from 
 modules' inputs) against the rollout's, the trainer router's own top-k (replay replace rate),
 and, with ``compare_no_replay``, a live-routing forward at the same weights. With ``exact`` the
 model computes as the engine's deterministic mode (``trainer_bridge.exact_model``).
+
+``train_dtype: bfloat16`` is DeepSpeed's bf16 mode (``bf16: {enabled: true}``): the module's
+parameters are cast to bf16 and the forward and backward run in bf16, while the optimizer keeps
+fp32 master weights (ZeRO-1/2's fp32 partitions; at stage 0 the fp32 copies of DeepSpeed's unfused
+optimizer wrapper) and writes their bf16 rounding back into the module after each step. Buffers
+stay as loaded (DeepSeek's fp32 ``e_score_correction_bias``). ``named_weights`` are then the bf16
+parameters, the weights the forward computes with, and weight sync pushes exactly those.
 """
 from __future__ import annotations
 
@@ -136,6 +143,8 @@ class PolicyTrainer:
             "steps_per_print": 2**31 - 1,
             "wall_clock_breakdown": False,
         }
+        if config.train_dtype == "bfloat16":
+            ds_config["bf16"] = {"enabled": True}
         self.engine, self.optimizer, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=ds_config)
         self.model = self.engine.module
         self.device = next(self.model.parameters()).device  # deepspeed moved it to the accelerator

@@ -241,8 +241,10 @@ async def _run(config: TrainConfig, hooks: Hooks, servers: Optional[LocalServers
             stack.push_async_callback(sync.close)  # NOTE: before the client closes (LIFO)
             version = 0
             # NOTE: servers started by this loop begin at weight_version "0"; ones we connect to are
-            # brought in line by pushing the trainer's (identical) weights first.
-            if own_servers is None:
+            # brought in line by pushing the trainer's (identical) weights first. A bf16 trainer
+            # pushes too: the servers keep some tensors in fp32 (sigmoid routers' gates, gpt-oss's
+            # sinks) unrounded from an fp32 checkpoint, while DeepSpeed's module holds them in bf16.
+            if own_servers is None or config.train_dtype != "float32":
                 log(f"pushing the trainer's weights to {len(urls)} server(s) (weight_sync={config.weight_sync}) ...")
                 await sync.push(trainer.named_weights(), str(version))
             if eval_prompts:

@@ -24,6 +24,7 @@ __all__ = ["TrainConfig", "load_train_config", "ConfigError"]
 SYNC_MODES = ("disk", "tensor", "distributed")
 ROUTING_FORMATS = tuple(f.value for f in RoutedExpertsFormat)   # the codec's one list
 SERVER_DTYPES = ("auto", "float32", "bfloat16", "float16")
+TRAIN_DTYPES = ("float32", "bfloat16")
 _LOSS_KEYS = tuple(f.name for f in dataclasses.fields(LossConfig) if f.name != "temperature")
 
 
@@ -75,7 +76,9 @@ class TrainConfig:
     top_p: float = _key(1.0, help="nucleus sampling of the rollouts, in (0, 1]")
     # ---- training
     exact: bool = _key(False, help="exact on-policy: deterministic servers and the exact-mode trainer "
-                       "(float32; max|dlp| is 0 every step)")
+                       "(float32 or bfloat16; max|dlp| is 0 every step)")
+    train_dtype: str = _key("float32", help="the trainer's forward dtype; bfloat16: DeepSpeed bf16 over fp32 "
+                            "master weights (exact mode: the servers' dtype too)")
     router_replay: bool = _key(True, help="train with the rollout's routed experts (R3); false: live routing")
     compare_no_replay: bool = _key(True, help="also measure a live-routing forward on the same rollouts "
                                    "(the no_replay/... metrics)")
@@ -126,6 +129,7 @@ class TrainConfig:
         choice("weight_sync", SYNC_MODES)
         choice("routing_format", ROUTING_FORMATS)
         choice("server_dtype", SERVER_DTYPES)
+        choice("train_dtype", TRAIN_DTYPES)
         choice("wandb_mode", ("offline", "online", "disabled"))
         if ":" not in self.reward:
             raise ConfigError(f"reward must be 'module:function', got {self.reward!r}")
@@ -136,9 +140,9 @@ class TrainConfig:
             if getattr(self.loss, key) != 0:
                 raise ConfigError(f"loss.{key}: the GRPO loop has no {what} to give rl_loss; must be 0 here, "
                                   f"got {getattr(self.loss, key)!r}")
-        if self.exact and self.server_dtype != "float32":
-            raise ConfigError(f"server_dtype: exact mode needs the trainer's dtype on the servers (float32), "
-                              f"got {self.server_dtype!r}")
+        if self.exact and self.server_dtype != self.train_dtype:
+            raise ConfigError(f"server_dtype: exact mode needs the trainer's dtype on the servers (train_dtype "
+                              f"{self.train_dtype}), got {self.server_dtype!r}")
         if self.exact:
             choice("server_dtype", ("float32",), why="exact mode: the servers compute in the trainer's dtype")
             _check_exact_model(self.model_path)
