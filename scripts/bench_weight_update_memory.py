@@ -7,10 +7,13 @@ trainer_bridge's DistributedSync does. Measures, for every process of the server
 memory before the update and its peak during it (the kernel's high-water mark VmHWM, reset first
 through /proc/PID/clear_refs, plus a 10 ms sampler of the processes' summed RSS).
 
---code-root runs the server from another checkout (e.g. an older commit, to compare). Prints a
-table; --json writes the numbers.
+--code-root runs the server from another checkout (e.g. an older commit, to compare).
+--quantization fp8 serves the bf16 checkpoint in FP8 (`--quantization fp8`): every pushed bf16
+tensor is quantized as it is copied in; the model column is then the engine's own weight bytes
+(/v1/loads). Prints a table; --json writes the numbers.
 
     python scripts/bench_weight_update_memory.py --layers 10 --bucket-bytes 536870912 --json out.json
+    python scripts/bench_weight_update_memory.py --layers 10 --bucket-bytes 536870912 --quantization fp8
 """
 from __future__ import annotations
 
@@ -157,6 +160,7 @@ def main() -> None:
                                                                     "servers without the flag)")
     ap.add_argument("--code-root", default=str(ROOT), help="checkout the server runs from")
     ap.add_argument("--label", default="")
+    ap.add_argument("--quantization", choices=["fp8"], default=None, help="the server's --quantization")
     ap.add_argument("--repeats", type=int, default=2, help="updates in a row (the first pays one-time costs)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--timeout-s", type=float, default=900.0)
@@ -164,13 +168,15 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="bench-wu-") as tmp:
         ckpt = Path(tmp) / "qwen3-moe"
         tensors = build_checkpoint(ckpt, args.layers, seed=0)
-        model_mib = sum(t.numel() * t.element_size() for t in tensors.values()) / MiB
+        model_mib = pushed_mib = sum(t.numel() * t.element_size() for t in tensors.values()) / MiB
         port = free_port()
         flags = ["--model-path", str(ckpt), "--tokenizer-path", str(ROOT / "configs" / "tiny-moe"),
                  "--dtype", "bfloat16", "--max-total-tokens", "1024", "--context-length", "1024",
                  "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"]
         if args.bucket_bytes is not None:
             flags += ["--weight-update-bucket-bytes", str(args.bucket_bytes)]
+        if args.quantization is not None:
+            flags += ["--quantization", args.quantization]
         env = dict(os.environ, PYTHONPATH=args.code_root)
         log = open(Path(tmp) / "server.log", "w")
         proc = subprocess.Popen([sys.executable, "-m", "rollout.server", *flags], env=env, cwd=args.code_root,
@@ -187,6 +193,9 @@ def main() -> None:
                 if proc.poll() is not None or time.monotonic() > deadline:
                     raise RuntimeError("server did not start:\n" + (Path(tmp) / "server.log").read_text()[-3000:])
                 time.sleep(0.5)
+            if args.quantization is not None:
+                loads = httpx.get(url + "/v1/loads", timeout=60).json()["loads"]
+                model_mib = sum(ld["weight_bytes"] for ld in loads) / MiB
             rows = measure(url, proc.pid, tensors, args.timeout_s, args.repeats)
             out = httpx.post(url + "/generate", json={"input_ids": [1, 2, 3], "sampling_params": {
                 "temperature": 0, "max_new_tokens": 2}}, timeout=300)
@@ -201,7 +210,8 @@ def main() -> None:
           "processes) | front end / engine extra MiB | peak extra MiB (sampled) | extra / model | seconds |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        r.update(label=args.label, model_mib=model_mib, bucket_bytes=args.bucket_bytes, layers=args.layers)
+        r.update(label=args.label, model_mib=model_mib, bucket_bytes=args.bucket_bytes, layers=args.layers,
+                 quantization=args.quantization, pushed_mib=pushed_mib)
         split = " / ".join(f"{x:.0f}" for x in r["per_process_extra_mib"])
         print(f"| {args.label} | {model_mib:.0f} | {bucket} | {r['update']} | {r['rss_before_mib']:.0f} | "
               f"{r['peak_extra_hwm_mib']:.0f} | {split} | {r['peak_extra_sampled_mib']:.0f} | "

@@ -39,12 +39,16 @@ def moe_checkpoint(tmp_path_factory):
     return path, tensors
 
 
-def test_engine_peak_during_a_distributed_update_is_one_bucket(moe_checkpoint):
+@pytest.mark.parametrize("quantization", [None, "fp8"])
+def test_engine_peak_during_a_distributed_update_is_one_bucket(moe_checkpoint, quantization):
+    """fp8: the engine holds the weights in FP8 and quantizes each pushed bf16 tensor as it copies
+    it in, a slab of rows at a time (quant/fp8.py quantize_into): the bound holds the same."""
     path, tensors = moe_checkpoint
     largest = max(t.numel() * t.element_size() for t in tensors.values())
     assert largest <= BUCKET   # so the bound below is the bucket, not a tensor larger than it
     with Rollout(str(path), tokenizer_path=DEFAULT_MODEL_PATH, dtype="bfloat16", max_total_tokens=256,
-                 context_length=256, weight_update_bucket_bytes=BUCKET, cpu_threads=1) as r:
+                 context_length=256, weight_update_bucket_bytes=BUCKET, cpu_threads=1,
+                 quantization=quantization) as r:
         (pid,) = r.engine_pids()
         trainer = Trainer(r, "memory")
         extra = []

@@ -91,7 +91,8 @@ class EngineCore(ControlCalls):
         experts = [m for m in self.model.modules() if isinstance(m, FusedExperts)]
         self._expert_report = {  # what this rank holds of the routed experts (expert parallel)
             "experts_held": [experts[0].expert_lo, experts[0].expert_hi] if experts else [],
-            "expert_weight_bytes": sum(p.numel() * p.element_size() for m in experts for p in m.parameters())}
+            "expert_weight_bytes": sum(p.numel() * p.element_size() for m in experts for p in m.parameters()),
+            "weight_bytes": sum(p.numel() * p.element_size() for p in self.model.parameters())}
 
     def _build_memory(self) -> None:
         """The KV pool, the prefix cache over it and the scheduler that hands both out."""

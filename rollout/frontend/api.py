@@ -23,7 +23,7 @@ from rollout.frontend.request_state import RequestTable, RoutingShape
 from rollout.generate_io import GenerateArgs, RolloutOutput, StreamChunk, Submission
 from rollout.frontend.weight_control import WeightControl
 from rollout.ipc.messages import ReqUpdate
-from rollout.models.registry import architecture_of, model_class, read_config, resolve_dtype
+from rollout.models.registry import architecture_of, model_class, quantize_skeleton, read_config, resolve_dtype
 from rollout.tokenizer import Tokenizer
 
 __all__ = ["AsyncGeneration", "EngineDeadError", "Rollout"]
@@ -281,8 +281,10 @@ class Rollout(WeightControl):
         if self._meta_model is None:
             hf_cfg, gen = read_config(self.config.model_path)
             with torch.device("meta"):
-                self._meta_model = self._model_cls(self._model_cls.spec_from_config(hf_cfg, gen)).to(
+                model = self._model_cls(self._model_cls.spec_from_config(hf_cfg, gen)).to(
                     resolve_dtype(self.config.dtype, hf_cfg))
+                quantize_skeleton(model, self.config.model_path, hf_cfg, self.config.quantization)
+            self._meta_model = model
         return self._meta_model
 
     def pause_generation(self, mode: str = "abort") -> int:

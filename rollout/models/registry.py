@@ -112,6 +112,19 @@ def resolve_dtype(dtype: torch.dtype | str, cfg: dict) -> torch.dtype:
     return dtype
 
 
+def quantize_skeleton(model, model_path: str | Path, cfg: dict, quantization: str | None) -> None:
+    """Holds the unloaded (meta) model's weights in FP8 where the engine does: an FP8 checkpoint's
+    modules with scales, or with quantization="fp8" every linear and expert weight of a float one."""
+    from rollout.models.loader import checkpoint_names, fp8_modules  # noqa: PLC0415
+    from rollout.models.quant import fp8  # noqa: PLC0415
+
+    scheme = fp8.scheme_from_config(cfg)
+    if scheme is not None:                           # an FP8 checkpoint: FP8 where it holds scales
+        model.quantize_fp8(scheme, fp8_modules(model, checkpoint_names(model_path)))
+    elif quantization == "fp8":
+        model.quantize_fp8(fp8.ONLINE)
+
+
 def load_model(model_path: str | Path, dtype: torch.dtype | str = "auto",
                device: str | torch.device = "cpu", expert_shard: tuple[int, int] | None = None,
                quantization: str | None = None):
@@ -122,7 +135,7 @@ def load_model(model_path: str | Path, dtype: torch.dtype | str = "auto",
     (quant/fp8.py); an FP8 checkpoint is held in FP8 without it.
     Returns (model in eval mode, config.json as a dict).
     """
-    from rollout.models.loader import checkpoint_names, fp8_modules, load_checkpoint  # noqa: PLC0415
+    from rollout.models.loader import load_checkpoint  # noqa: PLC0415
     from rollout.models.quant import fp8  # noqa: PLC0415
 
     if quantization not in (None, *QUANTIZATIONS):
@@ -139,10 +152,7 @@ def load_model(model_path: str | Path, dtype: torch.dtype | str = "auto",
     # load_checkpoint overwrites every one of them or raises.
     with torch.device("meta"):
         model = cls(spec).to(dtype)
-        if scheme is not None:                       # an FP8 checkpoint: FP8 where it holds scales
-            model.quantize_fp8(scheme, fp8_modules(model, checkpoint_names(model_path)))
-        elif quantization == "fp8":
-            model.quantize_fp8(fp8.ONLINE)
+        quantize_skeleton(model, model_path, cfg, quantization)
         if expert_shard is not None:
             model.shard_experts(*expert_shard)
     model = model.to_empty(device=torch.device(device))

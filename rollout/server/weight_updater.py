@@ -1,7 +1,8 @@
 """WeightUpdater: new weights from disk, from safetensors bytes, or broadcast over torch.distributed.
 
 Disk and tensor updates are all-or-nothing: names, shapes and dtypes are checked against the
-model first, the tensors are staged (already in the parameters' dtype, and checked finite), and
+model first, the tensors are staged (already in the parameters' dtype, float ones for FP8 weights
+in the dtype sent, quantized when installed; and checked finite), and
 only then swapped in by the engine between two steps (Rollout.swap_weights), which also flushes
 the prefix cache and sets weight_version. On any failure nothing was copied: the old weights keep
 serving and the error says why. Never unpickles anything.
@@ -23,6 +24,7 @@ import torch
 
 from rollout.ipc.control_values import GROUP_BACKENDS as BACKENDS, LOAD_FORMATS, WEIGHT_DTYPES as DTYPES
 from rollout.models.loader import _checkpoint_files, plan
+from rollout.models.quant.fp8 import FP8_DTYPE
 
 logger = logging.getLogger(__name__)
 DEFAULT_GROUP_TIMEOUT_S = 300.0
@@ -83,7 +85,10 @@ class WeightUpdater:
             # no-op .to() sharing their storage is fine: nobody else holds them.
             # (DP: the model here is a meta-device skeleton; staging stays on the CPU for the ranks)
             device = "cpu" if param.device.type == "meta" else param.device
-            value = named[key].to(device=device, dtype=param.dtype).contiguous()
+            # NOTE: a float tensor for an FP8 weight stays in the dtype sent: the engine quantizes it
+            # when it is installed (a cast to float8 here would drop its scale)
+            dtype = named[key].dtype if param.dtype == FP8_DTYPE else param.dtype
+            value = named[key].to(device=device, dtype=dtype).contiguous()
             if not bool(torch.isfinite(value).all()):
                 raise WeightUpdateError(f"{source}: tensor {key!r} holds NaN or infinite values")
             staged[key] = value
@@ -262,7 +267,9 @@ class WeightUpdater:
             if not isinstance(s, list) or len(s) > 8 or not all(
                     isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 2**40 for d in s):
                 raise WeightUpdateError(f"shapes entries must be lists of non-negative integers, got {s!r}"[:300])
-        model_bytes = sum(p.numel() * p.element_size() for p in self.engine.model.parameters())
+        # NOTE: an FP8 weight counts as fp32 here: the trainer sends it in float
+        model_bytes = sum(p.numel() * (4 if p.dtype == FP8_DTYPE else p.element_size())
+                          for p in self.engine.model.parameters())
         total = sum(math.prod(s) * torch.empty((), dtype=dt).element_size() for s, dt in zip(shapes, torch_dtypes))
         if total > 2 * model_bytes + 2**26:
             raise WeightUpdateError(f"the tensors announced ({total} bytes) are far larger than the model "

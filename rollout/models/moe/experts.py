@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rollout import exact as exact_ops
-from rollout.models.quant.fp8 import FP8_DTYPE, Fp8Scheme, dequantize, quantize
+from rollout.models.quant.fp8 import FP8_DTYPE, Fp8Scheme, dequantize, quantize_into
 
 
 class FusedExperts(nn.Module):
@@ -107,9 +107,7 @@ class FusedExperts(nn.Module):
                     lo_w, lo_s = h * rows_w, h * rows_s
                     if target.half is None:
                         part = v[lo_w:lo_w + rows_w]
-                q, sc = quantize(part, self.fp8)
-                w[i, lo_w:lo_w + rows_w].copy_(q)
-                scale[i, lo_s:lo_s + rows_s].copy_(sc)
+                quantize_into(part, w[i, lo_w:lo_w + rows_w], scale[i, lo_s:lo_s + rows_s], self.fp8)
 
     def _act(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         """The torch implementations' activation: SwiGLU, or the clamped form (swiglu_limit)."""

@@ -146,6 +146,46 @@ def quantize(weight: torch.Tensor, scheme: Fp8Scheme) -> tuple[torch.Tensor, tor
     return q, scale
 
 
+# NOTE: quantize() makes about five fp32 temporaries of its input; a tile of this many values keeps
+# them near 2.5 MiB, inside the margin of a weight update's bound (one bucket beyond the model)
+SLAB_ELEMENTS = 1 << 17
+
+
+@torch.no_grad()
+def quantize_into(weight: torch.Tensor, q_out: torch.Tensor, scale_out: torch.Tensor, scheme: Fp8Scheme) -> None:
+    """quantize(weight, scheme) written into q_out [out, in] and scale_out, the same bits, a tile at
+    a time (whole blocks; whole rows for channel and tensor scales): the temporaries are one
+    tile's, never the whole weight's. Raises before anything is written when the weight holds NaN
+    or infinite values."""
+    out, inp = weight.shape
+    if weight.numel():
+        lo, hi = torch.aminmax(weight)                 # NOTE: no temporary of the weight's size
+        if not bool(torch.isfinite(lo) & torch.isfinite(hi)):
+            raise ValueError("cannot quantize a weight with NaN or infinite values to FP8")
+    if scheme.granularity == "block":
+        b0, b1 = scheme.block
+        cols = min(inp, max(1, SLAB_ELEMENTS // (b0 * b1)) * b1)
+        rows = min(out, max(1, SLAB_ELEMENTS // max(b0 * cols, 1)) * b0)
+        for r0 in range(0, out, rows):
+            for c0 in range(0, inp, cols):
+                q, sc = quantize(weight[r0:r0 + rows, c0:c0 + cols], scheme)
+                q_out[r0:r0 + rows, c0:c0 + cols].copy_(q)
+                scale_out[r0 // b0:r0 // b0 + sc.shape[0], c0 // b1:c0 // b1 + sc.shape[1]].copy_(sc)
+        return
+    rows = max(1, SLAB_ELEMENTS // max(inp, 1))
+    if scheme.granularity == "tensor":
+        amax = torch.maximum(-lo.float(), hi.float()).reshape(1) if weight.numel() else torch.zeros(1)
+        scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+        for r0 in range(0, out, rows):
+            q_out[r0:r0 + rows].copy_((weight[r0:r0 + rows].float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE))
+        scale_out.copy_(scale)
+        return
+    for r0 in range(0, out, rows):
+        q, sc = quantize(weight[r0:r0 + rows], scheme)
+        q_out[r0:r0 + rows].copy_(q)
+        scale_out[r0:r0 + rows].copy_(sc)
+
+
 class Fp8Linear(nn.Module):
     """A linear layer whose weight is FP8 [out, in] with its scale (`weight_scale_inv` for block
     scales, else `weight_scale`); the bias, if any, in the model's dtype. Same HF names as the
@@ -192,9 +232,7 @@ class Fp8Linear(nn.Module):
     def write_float(self, name: str, target, value: torch.Tensor, expert_lo: int = 0) -> None:
         """Quantizes a float weight [out, in] into this layer (a weight update or online quantization)."""
         assert name == "weight", name
-        q, scale = quantize(value, self.scheme)
-        self.weight.copy_(q)
-        self.scale.copy_(scale)
+        quantize_into(value, self.weight, self.scale, self.scheme)
 
 
 def dense_weight(linear: nn.Module, dtype: torch.dtype) -> torch.Tensor:
