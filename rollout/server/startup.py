@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 import socket
 import sys
-from typing import NoReturn, Optional, Sequence
+from typing import Callable, NoReturn, Optional, Sequence
 
 from rollout.config.model_dir import check_model_dir
 from rollout.server.args import ServerArgs
@@ -51,17 +51,27 @@ def interrupted() -> NoReturn:
     os._exit(INTERRUPTED_EXIT)
 
 
+def _load(args: ServerArgs) -> Callable[[ServerArgs, socket.socket], None]:
+    """The model directory checked, then the app imported (torch, FastAPI: seconds): its serve()."""
+    try:
+        check_model_dir(args.engine.model_path, "--model-path")
+    except ValueError as exc:
+        raise StartupError(str(exc)) from None
+    try:
+        from rollout.server.app import serve  # noqa: PLC0415
+    except ImportError as exc:
+        raise StartupError(f"cannot import the server's dependencies: {exc} (bash scripts/setup_env.sh installs "
+                           f"them)") from None
+    return serve
+
+
 def main(argv: Optional[Sequence[str]] = None) -> None:
     try:
         args = ServerArgs.from_cli(argv)
         # NOTE: bound before the model loads: a taken port fails in a second, not after the load
         sock = bind(args.host, args.port)
         try:
-            try:
-                check_model_dir(args.engine.model_path, "--model-path")
-            except ValueError as exc:
-                raise StartupError(str(exc)) from None
-            from rollout.server.app import serve  # noqa: PLC0415 (torch, FastAPI: seconds)
+            serve = _load(args)
         except BaseException:
             sock.close()
             raise
