@@ -50,7 +50,8 @@ class EngineConfig:
     # update (rollout/models/quant/fp8.py); FP8 checkpoints are held in FP8 without it
     quantization: Optional[str] = field(default=None, metadata=flag(
         choices=QUANTIZATIONS, help="fp8: hold a float checkpoint's weights in FP8 (quantized on load and on "
-                                    "every weight update); FP8 checkpoints load as FP8 without it"))
+                                    "every weight update); FP8 checkpoints load as FP8 without it",
+        default_text="the checkpoint's own format"))
     device: str = field(default="cpu", metadata=flag(help="cpu or cuda[:N]"))
     max_running_requests: int = field(default=128, metadata=flag(
         type=int, help="requests an engine rank runs at once; the rest wait in its queue"))

@@ -83,9 +83,6 @@ SGLANG_FLAGS: tuple[SGLangFlag, ...] = (
     SGLangFlag(options=("--kv-cache-dtype",), type=str, accepts=lambda v, e: v == "auto",
                refusal="the KV cache holds the model's dtype; use --dtype",
                help="auto only: the KV cache holds the model's dtype (--dtype)", default_text="auto"),
-    SGLangFlag(options=("--quantization",), type=str, accepts=_never,
-               refusal="quantizing on load is not supported: a checkpoint loads in its own format (float32, "
-                       "bfloat16 or float16 weights, MXFP4 experts); use --dtype"),
     SGLangFlag(options=("--speculative-algorithm",), type=str, accepts=_never,
                refusal="speculative decoding is not supported"),
     SGLangFlag(options=("--enable-lora",), accepts=_never,
