@@ -131,6 +131,7 @@ ENGINE_FLAGS_BEFORE = {
     "--model-path": (DEFAULT_MODEL_PATH, None, None, None),
     "--tokenizer-path": (None, None, None, None),
     "--dtype": ("auto", None, None, ("auto", "float32", "bfloat16", "float16")),
+    "--quantization": (None, None, None, ("fp8",)),
     "--device": ("cpu", None, None, None),
     "--dp-size": (1, None, int, None),
     "--cpu-threads": (None, None, int, None),

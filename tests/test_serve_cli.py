@@ -84,7 +84,7 @@ def test_sglang_flags_that_mean_the_same_are_accepted():
     (["--dp-size", "2", "--ep-size", "4"], "--ep-size 4: the experts are sharded over the data-parallel ranks: the "
                                            "expert-parallel size is --dp-size (2); set --dp-size instead"),
     (["--kv-cache-dtype", "fp8_e5m2"], "--kv-cache-dtype fp8_e5m2: the KV cache holds the model's dtype; use --dtype"),
-    (["--quantization", "awq"], "--quantization: invalid choice: 'awq'"),
+    (["--quantization", "awq"], "argument --quantization: invalid choice: 'awq'"),
     (["--speculative-algorithm", "EAGLE"], "--speculative-algorithm EAGLE: speculative decoding is not supported"),
     (["--enable-lora"], "--enable-lora: LoRA adapters are not supported; merge the adapter into the checkpoint"),
     (["--lora-paths", "a", "b"], "--lora-paths a b: LoRA adapters are not supported"),
