@@ -236,3 +236,34 @@ def test_quantize_into_slabs_equals_one_call(scheme, monkeypatch):
     with pytest.raises(ValueError, match="NaN"):
         fp8_mod.quantize_into(w, q, s, scheme)
     assert torch.equal(q.view(torch.uint8), before.view(torch.uint8))    # nothing written
+
+
+# ---- an FP8 checkpoint served: FP8 checkpoints from disk, float tensors quantized to its scheme --
+def test_fp8_checkpoint_server_takes_fp8_checkpoints_and_float_tensors(tiny_checkpoint, tmp_path):
+    """The front end's model skeleton holds FP8 where the engine does, so a disk update with an
+    FP8 checkpoint (its `weight_scale_inv`) is accepted, and float tensors for FP8 weights are
+    staged in float and quantized by the engine to the served checkpoint's block scheme (16 x 16
+    here): both serve transformers' greedy on the dequantized FP8 checkpoint of B."""
+    from fp8_checkpoint import dequantized_state, make_fp8_checkpoint
+    from rollout.server.weight_updater import WeightUpdater
+
+    a_float, b_float = tiny_checkpoint("qwen3_moe"), tiny_checkpoint("qwen3_moe", seed=3)
+    a = make_fp8_checkpoint(a_float, tmp_path / "a8", block=(16, 16))
+    b = make_fp8_checkpoint(b_float, tmp_path / "b8", block=(16, 16))
+    want = {k: reference(hf_on(dequantized_state(p), str(like), tmp_path / f"ref-{k}"), PROMPT)
+            for k, p, like in (("a", a, a_float), ("b", b, b_float))}
+    with Rollout(str(a), tokenizer_path=DEFAULT_MODEL_PATH, dtype="float32", cpu_threads=1) as r:
+        updater = WeightUpdater(r, (str(tmp_path),))
+
+        def check(which, version):
+            out = r.generate(input_ids=[PROMPT], sampling_params=GREEDY, return_logprob=True)[0]
+            assert out.weight_version == version
+            assert_serves(out.output_ids, out.output_logprobs, None, want[which])
+
+        assert updater.update_from_disk(str(b), weight_version="disk-b8")["success"]
+        check("b", "disk-b8")
+        assert updater.update_from_disk(str(a), weight_version="disk-a8")["success"]
+        check("a", "disk-a8")
+        assert updater.update_from_safetensors(save(load_file(b_float / "model.safetensors")),
+                                               weight_version="float-b")["success"]
+        check("b", "float-b")

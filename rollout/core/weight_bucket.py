@@ -19,6 +19,8 @@ from typing import Iterator, Optional
 
 import torch
 
+from rollout.models.quant.fp8 import FP8_DTYPE, fp8_finite
+
 ALIGN = 64                    # bytes: each tensor's offset in the buffer
 
 
@@ -90,6 +92,9 @@ def finite(values: list[torch.Tensor]) -> list[bool]:
     for v in values:
         if v.numel() == 0:
             ends.append(torch.zeros(2, dtype=torch.float32, device=v.device))
+            continue
+        if v.dtype == FP8_DTYPE:                       # NOTE: no aminmax for float8; NaN is its only non-finite
+            ends.append(torch.zeros(2, device=v.device) if fp8_finite(v) else torch.full((2,), float("nan"), device=v.device))
             continue
         lo, hi = torch.aminmax(v)
         ends.append(torch.stack([lo, hi]).float())

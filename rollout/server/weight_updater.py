@@ -24,7 +24,7 @@ import torch
 
 from rollout.ipc.control_values import GROUP_BACKENDS as BACKENDS, LOAD_FORMATS, WEIGHT_DTYPES as DTYPES
 from rollout.models.loader import _checkpoint_files, plan
-from rollout.models.quant.fp8 import FP8_DTYPE
+from rollout.models.quant.fp8 import FP8_DTYPE, fp8_finite
 
 logger = logging.getLogger(__name__)
 DEFAULT_GROUP_TIMEOUT_S = 300.0
@@ -89,7 +89,7 @@ class WeightUpdater:
             # when it is installed (a cast to float8 here would drop its scale)
             dtype = named[key].dtype if param.dtype == FP8_DTYPE else param.dtype
             value = named[key].to(device=device, dtype=dtype).contiguous()
-            if not bool(torch.isfinite(value).all()):
+            if not (fp8_finite(value) if value.dtype == FP8_DTYPE else bool(torch.isfinite(value).all())):
                 raise WeightUpdateError(f"{source}: tensor {key!r} holds NaN or infinite values")
             staged[key] = value
         if not staged:

@@ -109,6 +109,14 @@ def scheme_from_config(cfg: dict) -> Fp8Scheme | None:
     return None
 
 
+def fp8_finite(t: torch.Tensor) -> bool:
+    """Whether a float8_e4m3fn tensor holds no NaN (its only non-finite value: the bits S.1111.111;
+    torch has no isfinite for float8)."""
+    flat = t.reshape(-1).view(torch.uint8)
+    return not any(bool(((flat[i:i + SLAB_ELEMENTS] & 0x7F) == 0x7F).any())       # NOTE: by slabs: small temporaries
+                   for i in range(0, flat.numel(), SLAB_ELEMENTS))
+
+
 def _expand(scale: torch.Tensor, shape: tuple[int, int], scheme: Fp8Scheme) -> torch.Tensor:
     """scale broadcast to a weight of shape [out, in] (fp32)."""
     if scheme.granularity != "block":
