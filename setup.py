@@ -34,7 +34,9 @@ setup(
         "dev": ["pytest>=8", "aiohttp>=3.9", "hypothesis>=6.100", "pytest-timeout>=2.3", "openai>=1.30", "psutil>=5.9",
                 "schemathesis>=4", "triton>=3.0; platform_system == 'Linux'",
                 # the real router in front of two servers (tests/test_sglang_router.py, slow)
-                "sglang-router>=0.3.2"],
+                "sglang-router>=0.3.2",
+                # transformers' own FP8 loader, the reference of tests/test_fp8.py
+                "accelerate>=1.0"],
     },
     entry_points={"console_scripts": ["rollout-serve=rollout.server:main"]},
 )
