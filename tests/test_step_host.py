@@ -229,7 +229,7 @@ def test_a_decode_step_reads_the_device_once():
 
 def test_a_long_chunk_attends_in_mask_blocks(monkeypatch):
     from attention_cases import attention_case
-    from rollout.models import layers
+    from rollout.models.attention import paged as layers
 
     layer, q, fb, _ = attention_case([40], [100], heads=4, kv_heads=2, dim=16, seed=3)
     kv = fb.kv_pool.kv_buffers[0][fb.kv_indices[0]].double()                 # [140, 2, kvH, D]
