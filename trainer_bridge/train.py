@@ -30,6 +30,7 @@ import json
 import os
 import sys
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
@@ -74,11 +75,23 @@ class Hooks:
 
 @dataclass
 class TrainResult:
+    """What a run returns: one row of scalar metrics per step (``history``, also in metrics.jsonl),
+    the held-out rewards, the servers' loads, and the samples of the last ``keep_samples`` steps
+    only (``samples_per_step``, oldest first; none by default).
+
+    NOTE: a step's samples carry their routing ([T-1, layers, top_k] per sample), so keeping every
+    step's would grow a long run's memory without bound; ``Hooks.on_sample`` sees every sample."""
     history: list[dict] = field(default_factory=list)
     evals: list[tuple[int, float]] = field(default_factory=list)  # (step, held-out reward mean)
-    samples_per_step: list[list[Sample]] = field(default_factory=list)
+    keep_samples: int = 0
+    samples_per_step: deque = field(init=False)   # deque[list[Sample]], at most keep_samples
     client_loads: dict = field(default_factory=dict)
     wall_s: float = 0.0
+
+    def __post_init__(self):
+        if self.keep_samples < 0:
+            raise ValueError(f"keep_samples: must be >= 0, got {self.keep_samples}")
+        self.samples_per_step = deque(maxlen=self.keep_samples)
 
     def summary(self) -> dict:
         def mean(key, rows=None):
@@ -154,9 +167,10 @@ async def _evaluate(client: RolloutClient, prompts: list[list[int]], records: li
 
 
 async def run_async(config: TrainConfig, *, hooks: Optional[Hooks] = None, servers: Optional[LocalServers] = None,
-                    log: Callable[[str], None] = print) -> TrainResult:
+                    log: Callable[[str], None] = print, keep_samples: int = 0) -> TrainResult:
     """The GRPO loop; ``servers`` (already started) are used when given, else ``config.server_urls``,
-    else ``config.num_servers`` local servers are started (and stopped at the end)."""
+    else ``config.num_servers`` local servers are started (and stopped at the end). The result
+    keeps the samples of the last ``keep_samples`` steps (TrainResult)."""
     from transformers import AutoTokenizer
     from tqdm.auto import tqdm
 
@@ -197,7 +211,7 @@ async def run_async(config: TrainConfig, *, hooks: Optional[Hooks] = None, serve
         own_servers = servers = await asyncio.to_thread(
             LocalServers(config.num_servers, _server_flags(config), log_dir=str(run_dir / "server-logs")).start)
     urls = servers.urls if servers is not None else list(config.server_urls)
-    result = TrainResult()
+    result = TrainResult(keep_samples=keep_samples)
     wb = None
     try:
         client = RolloutClient(urls, api_key=config.api_key, admin_api_key=config.admin_api_key,
