@@ -208,9 +208,25 @@ def test_train_step_without_replay_uses_live_routing(trainer_factory):
     assert m["routing_mismatch_rate"] > 0.5 and "replay_replace_rate" not in m
 
 
+def test_train_result_keeps_step_summaries_and_a_bounded_window_of_samples():
+    from trainer_bridge.train import TrainResult
+
+    default, window = TrainResult(), TrainResult(keep_samples=2)
+    for step in range(1, 101):
+        for r in (default, window):
+            r.history.append({"step": step, "reward_mean": 0.5, "train_rollout_logprob_max_abs_diff": 0.0})
+            r.samples_per_step.append([f"sample {step}-{i}" for i in range(4)])
+    assert len(default.history) == 100 and len(default.samples_per_step) == 0
+    assert [s[0] for s in window.samples_per_step] == ["sample 99-0", "sample 100-0"]
+    assert default.summary()["steps"] == 100 and default.summary()["mean/reward_mean"] == 0.5
+    with pytest.raises(ValueError, match="keep_samples"):
+        TrainResult(keep_samples=-1)
+
+
 # ---- end to end -----------------------------------------------------------------------------------
 def _check_steps(result, cfg):
     n = cfg.samples_per_step
+    assert len(result.samples_per_step) == cfg.steps, "run with keep_samples=cfg.steps"
     for step, (rec, samples) in enumerate(zip(result.history, result.samples_per_step), start=1):
         rids = [s.rid for s in samples]
         assert len(samples) == n and len(set(rids)) == n, f"step {step}: samples lost or duplicated"
@@ -271,7 +287,7 @@ def test_grpo_loop_two_servers_replay_vs_no_replay(tmp_path, capsys):
     from trainer_bridge.train import run
 
     cfg = load_train_config(TINY_TEST, [f"run_dir={tmp_path / 'run'}"])
-    result = run(cfg)
+    result = run(cfg, keep_samples=cfg.steps)
     out = capsys.readouterr().out
     assert len(result.history) == cfg.steps
     _check_steps(result, cfg)
@@ -333,7 +349,8 @@ def _kill_run(tmp_path, overrides, kill_step=2, when="mid"):
                 killed["count"] += 1
                 if killed["count"] == cfg.samples_per_step:
                     kill(sample.rid)
-        result = asyncio.run(run_async(cfg, hooks=Hooks(on_sample=on_sample, on_step=on_step), servers=servers))
+        result = asyncio.run(run_async(cfg, hooks=Hooks(on_sample=on_sample, on_step=on_step), servers=servers,
+                                       keep_samples=cfg.steps))
     return cfg, result, killed, servers
 
 
@@ -383,7 +400,7 @@ def test_grpo_loop_weight_sync_modes(tmp_path, mode):
     cfg = load_train_config(TINY_TEST, [f"run_dir={tmp_path / 'run'}", f"weight_sync={mode}", "steps=3",
                                         "prompts_per_step=16", "num_eval_prompts=16", "routing_format=int32",
                                         "zero_stage=0"])
-    result = run(cfg)
+    result = run(cfg, keep_samples=cfg.steps)
     _check_steps(result, cfg)
     assert all(r["routing_mismatch_rate"] == 0.0 for r in result.history)
 

@@ -30,6 +30,7 @@ import json
 import os
 import sys
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
@@ -76,11 +77,23 @@ class Hooks:
 
 @dataclass
 class TrainResult:
+    """What a run returns: one row of scalar metrics per step (``history``, also in metrics.jsonl),
+    the held-out rewards, the servers' loads, and the samples of the last ``keep_samples`` steps
+    only (``samples_per_step``, oldest first; none by default).
+
+    NOTE: a step's samples carry their routing ([T-1, layers, top_k] per sample), so keeping every
+    step's would grow a long run's memory without bound; ``Hooks.on_sample`` sees every sample."""
     history: list[dict] = field(default_factory=list)
     evals: list[tuple[int, float]] = field(default_factory=list)  # (step, held-out reward mean)
-    samples_per_step: list[list[Sample]] = field(default_factory=list)
+    keep_samples: int = 0
+    samples_per_step: deque = field(init=False)   # deque[list[Sample]], at most keep_samples
     client_loads: dict = field(default_factory=dict)
     wall_s: float = 0.0
+
+    def __post_init__(self):
+        if self.keep_samples < 0:
+            raise ValueError(f"keep_samples: must be >= 0, got {self.keep_samples}")
+        self.samples_per_step = deque(maxlen=self.keep_samples)
 
     def summary(self) -> dict:
         def mean(key, rows=None):
@@ -167,9 +180,10 @@ async def _evaluate(client: RolloutClient, prompts: list[list[int]], records: li
 
 
 async def run_async(config: TrainConfig, *, hooks: Optional[Hooks] = None, servers: Optional[LocalServers] = None,
-                    log: Callable[[str], None] = print) -> TrainResult:
+                    log: Callable[[str], None] = print, keep_samples: int = 0) -> TrainResult:
     """The GRPO loop; ``servers`` (already started) are used when given, else ``config.server_urls``,
-    else ``config.num_servers`` local servers are started (and stopped at the end)."""
+    else ``config.num_servers`` local servers are started (and stopped at the end). The result
+    keeps the samples of the last ``keep_samples`` steps (TrainResult)."""
     hooks = hooks or Hooks()
     t_start = time.perf_counter()
     _quiet_libraries()
@@ -181,14 +195,14 @@ async def run_async(config: TrainConfig, *, hooks: Optional[Hooks] = None, serve
     wb = _Wandb(config)
     log(wb.where(config))
     try:
-        return await _run(config, hooks, servers, log, wb, run_dir, t_start)
+        return await _run(config, hooks, servers, log, wb, run_dir, t_start, keep_samples)
     except BaseException:
         wb.finish({}, exit_code=1)
         raise
 
 
 async def _run(config: TrainConfig, hooks: Hooks, servers: Optional[LocalServers], log: Callable[[str], None],
-               wb: _Wandb, run_dir: Path, t_start: float) -> TrainResult:
+               wb: _Wandb, run_dir: Path, t_start: float, keep_samples: int) -> TrainResult:
     from transformers import AutoTokenizer
     from tqdm.auto import tqdm
 
@@ -223,7 +237,7 @@ async def _run(config: TrainConfig, hooks: Hooks, servers: Optional[LocalServers
             LocalServers(config.num_servers, _server_flags(config), log_dir=str(run_dir / "server-logs"),
                          progress=log).start)
     urls = servers.urls if servers is not None else list(config.server_urls)
-    result = TrainResult()
+    result = TrainResult(keep_samples=keep_samples)
     try:
         client = RolloutClient(urls, api_key=config.api_key, admin_api_key=config.admin_api_key,
                                routing_format=config.routing_format, stream=config.stream)
