@@ -318,7 +318,8 @@ def test_unknown_architecture_lists_supported(tmp_path):
         load_model(tmp_path, torch.float32)
     assert set(supported_architectures()) == {"Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM",
                                               "MixtralForCausalLM", "OlmoeForCausalLM",
-                                              "DeepseekV3ForCausalLM", "Glm4MoeForCausalLM"}
+                                              "DeepseekV3ForCausalLM", "Glm4MoeForCausalLM", "GptOssForCausalLM",
+                                              "MiniMaxM2ForCausalLM"}
 
 
 def _rewritten_checkpoint(src, dst, edit):
