@@ -143,7 +143,7 @@ def test_exact_bf16_config_needs_the_trainer_dtype_on_the_servers():
 
     with pytest.raises(ConfigError, match=r"server_dtype: .*\(train_dtype bfloat16\), got 'float32'"):
         load_train_config(None, exact=True, server_dtype="float32", train_dtype="bfloat16")
-    with pytest.raises(ConfigError, match="train_dtype: must be one of"):
+    with pytest.raises(ConfigError, match="train_dtype must be one of"):
         load_train_config(None, train_dtype="float16")
     load_train_config(None, exact=False, server_dtype="bfloat16", train_dtype="bfloat16")
 

@@ -144,7 +144,6 @@ class TrainConfig:
             raise ConfigError(f"server_dtype: exact mode needs the trainer's dtype on the servers (train_dtype "
                               f"{self.train_dtype}), got {self.server_dtype!r}")
         if self.exact:
-            choice("server_dtype", ("float32",), why="exact mode: the servers compute in the trainer's dtype")
             _check_exact_model(self.model_path)
 
     @property
