@@ -1,6 +1,6 @@
 """Triton paged decode attention: one query per request over its KV slots, split over the KV length.
 
-Replaces the decode path of PagedAttention (rollout/models/layers.py, which stays the
+Replaces the decode path of PagedAttention (rollout/models/attention/paged.py, which stays the
 reference). Program (request, kv head, split) takes the kv head's G query heads as rows and
 attends them over its share of the request's keys, read once through the slot table; it leaves
 a partial output and its log-sum-exp, and merge_attention_kernel merges the splits. A request's

@@ -1,7 +1,7 @@
 """Triton paged extend (prefill) attention: each request's new tokens over its cached prefix and
 themselves, causally, reading keys through the slot table.
 
-Replaces the prefill path of PagedAttention (rollout/models/layers.py, which stays the
+Replaces the prefill path of PagedAttention (rollout/models/attention/paged.py, which stays the
 reference). Program (request, query head, block of new tokens): the block's queries sit at
 positions kv_len - qo_len + i; it walks the request's keys up to its last query's position
 (and from its first query's window start, for sliding-window layers) with an online softmax.
