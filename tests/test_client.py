@@ -256,6 +256,32 @@ def test_mock_retry_same_rid_on_other_server_after_connect_error_and_503():
     assert sample.meta["server"] == "http://s1" and c.loads()["http://s0"]["alive"] is False
 
 
+def test_mock_server_restarted_with_other_weights_is_left_until_a_sync():
+    """A server its supervisor restarted on the same port answers with its checkpoint's weights:
+    its samples are not taken (the request goes elsewhere) and it is dead to the client."""
+    def behaviour(host, path, body, i):
+        out = _response(body)
+        out["meta_info"]["weight_version"] = "0" if host == "s0" else "7"
+        return out
+
+    async def go():
+        c, calls = mock_client(behaviour)
+        async with c:
+            for url in c.urls:
+                c.pushed(url, "7")
+            samples = await c.generate_groups([[1, 2, 3]] * 2, 2, SP, rid_prefix="v-")
+            return samples, c.loads()
+    samples, loads = arun(go())
+    assert {s.meta["server"] for s in samples} == {"http://s1"} and {s.weight_version for s in samples} == {"7"}
+    assert loads["http://s0"]["alive"] is False and "weight_version '0'" in loads["http://s0"]["last_error"]
+
+    from trainer_bridge.client.server_state import ServerState
+    state = ServerState("http://s", 0)
+    assert state.holds("anything")                                      # nothing pushed: no check
+    state.weight_version, state.pending_version = "1", "2"
+    assert state.holds("1") and state.holds(2) and not state.holds("0")   # mid-push: old or new
+
+
 async def _one(c, rid="one"):
     async with c:
         return await c.generate([1, 2, 3], SP, rid=rid)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from test_exact_trainer import PACKINGS, PROMPT_LENGTHS, _forward
+from test_exact_trainer import PACKINGS, PROMPT_LENGTHS, _forward, check_exact_loop
 from tiny_models import ARCHS, GROUPED_ARCHS, NEW_ARCHS, make_engine, random_prompts
 
 BF16 = torch.bfloat16
@@ -108,7 +108,7 @@ def _check_bf16_grpo_step_then_push(path, zero_stage: int = 2) -> None:
             # checkpoint unrounded); before step 2 the weights of step 1
             named = trainer.named_weights()
             assert all(named[k].dtype == BF16 for k in params)                    # pushed as bf16
-            updater._swap(updater.stage(named, require_all=True, source="trainer"), str(step - 1), False, "trainer")
+            updater.update_from_tensors(named, weight_version=str(step - 1), source="trainer")
             samples = _samples(engine, seed=step)
             assert {s.weight_version for s in samples} == {engine.weight_version}
             before = {k: v.clone() for k, v in trainer.named_weights().items()}
@@ -153,24 +153,5 @@ def test_exact_bf16_config_needs_the_trainer_dtype_on_the_servers():
 def test_exact_bf16_loop_stays_exact_across_weight_syncs(tmp_path, capsys, sync):
     """configs/train/exact-bf16.yaml end to end: bf16 deterministic servers, the exact trainer in
     DeepSpeed bf16; from step 2 on the rollouts come from the bf16 weights the trainer pushed."""
-    from pathlib import Path
-
-    from trainer_bridge.train import run
-    from trainer_bridge.train_config import load_train_config
-
-    config = Path(__file__).resolve().parent.parent / "configs" / "train" / "exact-bf16.yaml"
-    steps = 2 if sync == "tensor" else 3         # NOTE: step 2 already samples from pushed weights
-    cfg = load_train_config(config, [f"run_dir={tmp_path / 'run'}", f"weight_sync={sync}", f"steps={steps}",
-                                     "prompts_per_step=4", "num_eval_prompts=0", "micro_batch_tokens=128",
-                                     "progress=false", "wandb_mode=disabled", "lr=1e-3"])
+    cfg = check_exact_loop("exact-bf16.yaml", tmp_path, capsys, sync)
     assert cfg.train_dtype == cfg.server_dtype == "bfloat16"
-    result = run(cfg)
-    out = capsys.readouterr().out
-    assert len(result.history) == steps
-    for step, rec in enumerate(result.history, start=1):
-        assert rec["weight_version"] == str(step - 1)
-        assert rec["micro_batches"] >= 2
-        assert rec["train_rollout_logprob_max_abs_diff"] == 0, (step, rec["train_rollout_logprob_max_abs_diff"])
-        assert rec["no_replay/train_rollout_logprob_max_abs_diff"] == 0
-        assert rec["no_replay/routing_mismatch_rate"] == 0 and rec["routing_mismatch_rate"] == 0
-    assert out.count("mismatch 0 (no replay 0)  max|dlp| 0 (no replay 0)") == steps

@@ -285,12 +285,20 @@ def test_exact_loop_stays_exact_across_weight_syncs(tmp_path, capsys, sync):
     """configs/train/exact.yaml end to end: deterministic servers, exact trainer; every step's
     rollouts come from the weights the trainer pushed after the step before (an inexact round
     trip would show as max |dlp| > 0 from step 2 on)."""
+    check_exact_loop("exact.yaml", tmp_path, capsys, sync)
+
+
+def check_exact_loop(config_name: str, tmp_path, capsys, sync: str):
+    """Runs configs/train/<config_name> with the given weight sync (2 steps for tensor, else 3):
+    every step's logprobs and routing equal the rollout's, with and without replay, in the
+    history and in the printed step lines. Returns the config."""
     from pathlib import Path
 
+    from trainer_bridge.step_report import step_header, step_line
     from trainer_bridge.train import run
     from trainer_bridge.train_config import load_train_config
 
-    config = Path(__file__).resolve().parent.parent / "configs" / "train" / "exact.yaml"
+    config = Path(__file__).resolve().parent.parent / "configs" / "train" / config_name
     steps = 2 if sync == "tensor" else 3         # NOTE: step 2 already samples from pushed weights
     cfg = load_train_config(config, [f"run_dir={tmp_path / 'run'}", f"weight_sync={sync}", f"steps={steps}",
                                      "prompts_per_step=4", "num_eval_prompts=0", "micro_batch_tokens=128",
@@ -304,14 +312,13 @@ def test_exact_loop_stays_exact_across_weight_syncs(tmp_path, capsys, sync):
         assert rec["train_rollout_logprob_max_abs_diff"] == 0, (step, rec["train_rollout_logprob_max_abs_diff"])
         assert rec["no_replay/train_rollout_logprob_max_abs_diff"] == 0
         assert rec["no_replay/routing_mismatch_rate"] == 0 and rec["routing_mismatch_rate"] == 0
-    from trainer_bridge.step_report import step_header, step_line
-
     assert step_header(result.history[0], exact=True) in out
     for rec in result.history:
         line = step_line(rec, exact=True)
         cells = dict(zip(step_header(rec, exact=True).split(), line.split()))
         assert line in out and len(line) < 120
         assert cells["mismatch"] == cells["mism(noR)"] == cells["max|dlp|"] == cells["max(noR)"] == "0", line
+    return cfg
 
 
 def test_max_dlp_metric_and_printout_are_exact():

@@ -18,8 +18,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from rollout.config import DEFAULT_MODEL_PATH
-from rollout.core.token_latency import ITL_BUCKETS, TTFT_BUCKETS, Bucketed, TokenLatency
+from rollout.core.token_latency import Bucketed, TokenLatency
 from rollout.generate_io import RolloutOutput
+from rollout.ipc.control_values import ITL_BUCKETS, TTFT_BUCKETS
 from rollout.server.metrics import E2E_BUCKETS, Metrics
 from server_proc import ServerProcess, free_port, sse_events, wait_idle
 

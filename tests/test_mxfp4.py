@@ -152,7 +152,7 @@ def test_pair_names_and_quantization_config():
     assert check_quantization_config(cfg) is QUANT_METHODS["mxfp4"]
     with pytest.raises(ValueError, match=r"'awq'.*supported: compressed-tensors, fp8, mxfp4"):
         check_quantization_config({"quantization_config": {"quant_method": "awq"}})
-    with pytest.raises(ValueError, match=r"None.*supported: mxfp4"):
+    with pytest.raises(ValueError, match=r"None.*supported: compressed-tensors, fp8, mxfp4"):
         check_quantization_config({"quantization_config": {"bits": 4}})
     with pytest.raises(ValueError, match="quantization_config"):
         check_quantization_config({"quantization_config": "mxfp4"})

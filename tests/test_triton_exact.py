@@ -174,8 +174,12 @@ def test_expert_parallel_terms_with_biases_add_up_to_the_whole_bitwise(ranks):
 @pytest.mark.interpreter
 def test_the_deterministic_triton_backend_runs_it():
     """An exact SparseMoE on the triton backend: experts by fused_moe_exact, routing by the torch rule."""
-    moe = SparseMoE(layer_id=0, hidden_size=HIDDEN, intermediate_size=INTER, num_experts=EXPERTS, top_k=TOP_K,
-                    renormalize=True)
+    from rollout.models.registry import model_spec
+
+    spec = model_spec({"architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 32, "hidden_size": HIDDEN,
+                       "num_hidden_layers": 1, "num_attention_heads": 4, "moe_intermediate_size": INTER,
+                       "num_experts": EXPERTS, "num_experts_per_tok": TOP_K, "norm_topk_prob": True}, None)
+    moe = SparseMoE(spec, layer_id=0)
     w13, w2 = weights(9)
     with torch.no_grad():
         moe.experts.w13.copy_(w13)
@@ -183,15 +187,17 @@ def test_the_deterministic_triton_backend_runs_it():
         moe.gate.weight.copy_(torch.randn(EXPERTS, HIDDEN, generator=torch.Generator().manual_seed(9)))
     moe.moe_backend = "triton"
     moe.gate.exact = moe.experts.exact = True
-    assert moe._experts_impl == "exact_triton" and not moe._triton_router
+    assert moe._experts_impl == "exact_triton"
     x = routed(11, 10)[0]
     w, ids = softmax_topk(moe.gate(x), TOP_K, True)
+    routed_w, routed_ids = moe.rule(moe.gate(x), exact=True, triton=True)   # the torch rule, not the kernel
+    assert torch.equal(routed_w, w) and torch.equal(routed_ids, ids)
     out = moe.experts(x, w, ids, impl=moe._experts_impl)
     assert torch.equal(out, fused_moe_exact(x, w13, w2, w, ids, 0))
     assert torch.equal(moe.experts.exact_terms(x, w, ids, triton=True),
                        fused_moe_exact(x, w13, w2, w, ids, 0, per_slot=True))
     moe.gate.exact = moe.experts.exact = False
-    assert moe._experts_impl == "triton" and moe._triton_router                     # the default path
+    assert moe._experts_impl == "triton"                                           # the default path
 
 
 def test_config_takes_the_triton_moe_backend_in_deterministic_mode():

@@ -78,13 +78,24 @@ class WeightSync:
     async def push(self, named: dict[str, torch.Tensor], version: str) -> SyncResult:
         """Pushes to the live servers and to dead ones that answer /health again (restarted by
         their supervisor): those rejoin (the client sends them requests again) only once they
-        hold these weights."""
+        hold these weights. While it runs, the client takes samples of the old or the new version
+        from them (and from each, afterwards, only those of the version it holds)."""
         t0 = time.perf_counter()
         await self.client.refresh_workers()   # behind sglang-router: every worker it lists now
         back = tuple(await self.client.recovered())
         urls = tuple(self.client.alive_urls) + back
         if not urls:
             raise RolloutError("weight sync: no live rollout server")
+        for url in urls:
+            self.client.pushing(url, str(version))
+        try:
+            return await self._push_to(named, str(version), urls, back, t0)
+        finally:
+            for url in urls:
+                self.client.pushing(url, None)
+
+    async def _push_to(self, named, version: str, urls: tuple[str, ...], back: tuple[str, ...],
+                       t0: float) -> SyncResult:
         try:
             res = self._result(await self._push(named, str(version), urls), urls, str(version), t0)
             for url in back:
@@ -116,6 +127,8 @@ class WeightSync:
             if str(ans.get("weight_version")) != version:
                 raise RolloutError(f"weight sync ({self.mode}) to {url}: server reports weight_version "
                                    f"{ans.get('weight_version')!r}, expected {version!r}")
+        for url in answers:
+            self.client.pushed(url, version)
         res = SyncResult(version, self.mode, time.perf_counter() - t0, nbytes, urls)
         self.history.append(res)
         return res

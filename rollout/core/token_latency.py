@@ -13,10 +13,7 @@ from typing import Sequence
 
 import numpy as np
 
-TTFT_BUCKETS = (0.1, 0.2, 0.4, 0.6, 0.8, 1.0, 2.0, 4.0, 6.0, 8.0, 10.0, 20.0, 40.0, 60.0, 80.0, 100.0, 200.0,
-                400.0)
-ITL_BUCKETS = (0.002, 0.004, 0.006, 0.008, 0.010, 0.015, 0.020, 0.025, 0.030, 0.035, 0.040, 0.060, 0.080, 0.100,
-               0.200, 0.400, 0.600, 0.800, 1.0, 2.0, 4.0, 6.0, 8.0)
+from rollout.ipc.control_values import ITL_BUCKETS, TTFT_BUCKETS
 
 
 class Bucketed:

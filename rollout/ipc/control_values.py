@@ -1,6 +1,7 @@
 """The values the engine's control calls accept, in one place for the front end's checks (HTTP
 and Python) and the engine that acts on them: pause modes, memory tags, weight-update dtypes,
-load formats and group backends, and the message a request gets when a DP peer rank failed."""
+load formats and group backends, the latency histograms' buckets, and the message a request gets
+when a DP peer rank failed."""
 from __future__ import annotations
 
 from typing import Any
@@ -14,6 +15,12 @@ WEIGHT_DTYPES = {"float32": torch.float32, "float": torch.float32, "float16": to
 LOAD_FORMATS = (None, "flattened_bucket")
 GROUP_BACKENDS = ("gloo", "nccl")
 PEER_FAILED = "a DP peer rank failed"   # the abort message of requests on the ranks that survive a peer's failure
+# the latency histograms' bounds in seconds (the engine counts, /metrics reports): SGLang's, so its
+# dashboards' quantiles read the same
+TTFT_BUCKETS = (0.1, 0.2, 0.4, 0.6, 0.8, 1.0, 2.0, 4.0, 6.0, 8.0, 10.0, 20.0, 40.0, 60.0, 80.0, 100.0, 200.0,
+                400.0)
+ITL_BUCKETS = (0.002, 0.004, 0.006, 0.008, 0.010, 0.015, 0.020, 0.025, 0.030, 0.035, 0.040, 0.060, 0.080, 0.100,
+               0.200, 0.400, 0.600, 0.800, 1.0, 2.0, 4.0, 6.0, 8.0)
 
 
 def parse_tags(tags: Any) -> tuple[str, ...]:

@@ -56,6 +56,29 @@ class _Health:
         """Let a server take requests again (after it restarted and got the current weights)."""
         self._server(url).alive = True
 
+    def pushing(self, url: str, version: str | None) -> None:
+        """A weight sync of ``version`` to the server starts (None: it ended)."""
+        self._server(url).pending_version = version
+
+    def pushed(self, url: str, version: str) -> None:
+        """The server now holds the weights of ``version`` (a weight sync to it succeeded)."""
+        s = self._server(url)
+        s.weight_version, s.pending_version = version, None
+
+    async def _still_serving(self, server: ServerState) -> bool:
+        """After a transport error: is the same server still up? It answers /health, and holds the
+        weights this client last pushed to it. (One its supervisor restarted answers /health with
+        its checkpoint's weights: dead to this client until a weight sync brings it back.)"""
+        if not await self._healthy(server):
+            return False
+        if server.weight_version is None:
+            return True
+        try:
+            r = await self._http.get(server.url + "/get_weight_version", timeout=self.health_timeout)
+            return r.status_code == 200 and server.holds(r.json().get("weight_version"))
+        except (httpx.HTTPError, ValueError, AttributeError):
+            return False
+
     async def _healthy(self, server: ServerState) -> bool:
         """After a transport error: is the server still up? (A pooled keep-alive connection the
         server closed at the same moment gives the same errors as a dead server.)"""

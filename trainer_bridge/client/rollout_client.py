@@ -225,6 +225,10 @@ class RolloutClient(_Health, _Control, _Transport, _Router):
                     sample = to_sample(req, raw, server.url, info=self.info, aborted=self._aborted,
                                        return_routed_experts=self.return_routed_experts, validate=self.validate,
                                        attempts=attempts, latency=time.perf_counter() - t0, nbytes=nbytes)
+                    if not server.holds(sample.weight_version):
+                        # NOTE: its supervisor restarted it (on the same port) with its checkpoint's weights
+                        raise _ServerFailed(f"answered with weight_version {sample.weight_version!r}, not the "
+                                            f"{server.weight_version!r} this client pushed (restarted?)", dead=True)
                     server.completed += 1
                     return sample
                 except _Aborted:

@@ -20,6 +20,13 @@ class ServerState:
     bytes_in: int = 0
     bytes_out: int = 0
     last_error: str = ""
+    weight_version: str | None = None   # the weights this client last pushed to it (None: none pushed)
+    pending_version: str | None = None  # the version a weight sync to it is pushing now
+
+    def holds(self, version) -> bool:
+        """Can a sample of weight_version ``version`` come from the server this client pushed to?
+        (Always when it pushed nothing; while a push runs, the old version or the new one.)"""
+        return self.weight_version is None or str(version) in (self.weight_version, self.pending_version)
 
     def snapshot(self) -> dict:
         return {"alive": self.alive, "outstanding": self.outstanding, "completed": self.completed,

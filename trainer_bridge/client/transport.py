@@ -3,7 +3,8 @@
 
 A try ends in a response dict, or raises ``_ServerFailed`` (retry elsewhere; ``dead`` when the
 server looks gone), ``RequestRejected`` or ``SampleError``. A failure before any response byte on
-a pooled connection is sent again at once (``STALE_CONNECTION_RETRIES``); a timed-out try is
+a pooled connection is sent again at once (``STALE_CONNECTION_RETRIES``) if the same server still
+serves (a server its supervisor restarted on the same port must not take it); a timed-out try is
 aborted on its server so that its rid is free again.
 """
 from __future__ import annotations
@@ -23,7 +24,8 @@ from .stream import StreamAssembler
 
 _TRANSPORT_ERRORS = (httpx.TransportError,)  # connect/read/write errors, protocol errors, timeouts
 # NOTE: a pooled keep-alive connection that the server closes just as a request is written to it
-# fails with one of these before any response byte; the request is then sent again at once.
+# fails with one of these before any response byte; the request is then sent again at once. (So does a
+# non-streamed request whose server was killed: the check that the same server still serves tells them apart.)
 _STALE_CONNECTION_ERRORS = (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError, httpx.ConnectError)
 STALE_CONNECTION_RETRIES = 2
 
@@ -40,7 +42,7 @@ class _Transport:
     return_routed_experts: bool
     info: Optional[ModelInfo]
     stale_retries: int
-    _healthy: Callable[[ServerState], Awaitable[bool]]   # from _Health
+    _still_serving: Callable[[ServerState], Awaitable[bool]]   # from _Health
 
     def _headers(self, admin: bool = False) -> dict:
         key = (self.admin_api_key or self.api_key) if admin else (self.api_key or self.admin_api_key)
@@ -55,14 +57,15 @@ class _Transport:
 
     async def _open(self, server: ServerState, body: bytes) -> httpx.Response:
         """POSTs /generate; returns the response as soon as its headers arrived (the caller reads
-        and closes it). Failures before any response byte are retried on a fresh connection."""
+        and closes it). Failures before any response byte are retried on a fresh connection while
+        the same server still serves (else raised: the caller's failure path marks it dead)."""
         request = self._http.build_request("POST", server.url + "/generate", content=body,
                                            headers={**self._headers(), "Content-Type": "application/json"})
         for retry in range(STALE_CONNECTION_RETRIES + 1):
             try:
                 return await self._http.send(request, stream=True)
             except _STALE_CONNECTION_ERRORS:
-                if retry == STALE_CONNECTION_RETRIES:
+                if retry == STALE_CONNECTION_RETRIES or not await self._still_serving(server):
                     raise
                 self.stale_retries += 1
         raise AssertionError("unreachable")
@@ -115,12 +118,12 @@ class _Transport:
     async def _failed_try(self, server: ServerState, rid: str, exc: httpx.TransportError, *,
                           stream: bool) -> _ServerFailed:
         """The failure of a try that raised ``exc``: a timeout (the try is aborted on its server,
-        which stays live) or a transport error (dead unless ``/health`` still answers)."""
+        which stays live) or a transport error (dead unless the same server still answers)."""
         if isinstance(exc, httpx.TimeoutException):
             await self._abort_quietly(server, rid)
             return _ServerFailed(f"{'stream ' if stream else ''}timed out ({type(exc).__name__})", dead=False)
         return _ServerFailed(f"{'stream cut off: ' if stream else ''}{type(exc).__name__}: {exc}",
-                             dead=not await self._healthy(server))
+                             dead=not await self._still_serving(server))
 
     async def _abort_quietly(self, server: ServerState, rid: str) -> None:
         try:
