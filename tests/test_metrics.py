@@ -180,6 +180,42 @@ def test_ready_line_and_batch_lines_at_info(server, client):
     assert "#new-token: " in prefill and "#cached-token: " in prefill and "cache hit rate: " in prefill
 
 
+def test_decode_lines_every_decode_log_interval_steps(caplog):
+    """--decode-log-interval N: one Decode batch line per N decode steps (counted from the last line)."""
+    import dataclasses
+    import logging
+
+    from rollout.server.args import ServerArgs
+    from rollout.server.batch_log import BatchLog
+
+    class Engine:
+        steps_done = decode = 0
+
+        def stats(self):
+            return {"num_decode_forwards": self.decode, "generated_tokens": 8 * self.decode, "prefill_new_seqs": 0,
+                    "prefill_new_tokens": 0, "prefill_cached_tokens": 0, "kv_used": 40, "kv_evictable": 0,
+                    "kv_total": 100, "running": 8, "waiting": 0}
+
+    engine = Engine()
+    log = BatchLog(engine, poll_s=3600, decode_log_interval=5)
+    log.start()
+    log.stop()
+    lines = []
+    with caplog.at_level(logging.INFO, logger="rollout.server"):
+        for decode_steps in [1] * 12 + [7]:
+            engine.steps_done += decode_steps
+            engine.decode += decode_steps
+            log.poll()
+            lines.append(sum("Decode batch, #running-req: 8, #token: 40, token usage: 0.40" in r.message
+                             for r in caplog.records))
+    assert lines == [0, 0, 0, 0, 1, 1, 1, 1, 1, 2, 2, 2, 3], lines
+    assert ServerArgs.from_cli(["--decode-log-interval", "5"]).decode_log_interval == 5
+    default = ServerArgs.from_cli([])
+    assert default.decode_log_interval == 40                                             # SGLang's default
+    with pytest.raises(ValueError, match=r"decode_log_interval must be an integer in \[1, .*got 0"):
+        dataclasses.replace(default, decode_log_interval=0)
+
+
 def test_text_format_keeps_sglang_names_when_openmetrics_is_asked(client):
     """Prometheus asks for OpenMetrics first; prometheus_client's OpenMetrics writer would rename
     the samples sglang_* (a real scrape found it): the classic text format is served."""

@@ -82,7 +82,7 @@ def create_app(engine: Rollout, server_args: ServerArgs, *, url: str = "") -> Fa
     offloop_pool = _started_pool(4, "rollout-offloop")   # asyncio.to_thread's (parsing, tokenizing)
     ignored = IgnoredFields()
     metrics = Metrics(set(), ignored, model_name=args.model_name)
-    batch_log = BatchLog(engine)
+    batch_log = BatchLog(engine, decode_log_interval=args.decode_log_interval)
     metrics.registry.register(EngineCollector(engine, metrics.labels, ignored, batch_log))
     engine.add_finish_listener(metrics.finished)
     updater = WeightUpdater(engine, args.weight_dirs, on_update=metrics.weight_update)

@@ -16,6 +16,7 @@ from rollout.config.config_file import ConfigFileError, load_engine_config
 from rollout.config.engine_cli import add_engine_arguments, engine_cli_values, engine_config_from_args
 from rollout.config.flag import flag, no_flag
 from rollout.config.flag_group import FlagGroup
+from rollout.server.batch_log import DECODE_LOG_INTERVAL
 from rollout.server.sglang_flags import add_sglang_flags, check_sglang_flags
 from rollout.value_range import check_choice, check_range
 
@@ -72,6 +73,9 @@ class ServerArgs:
     max_request_bytes: int = field(default=DEFAULT_MAX_REQUEST_BYTES, metadata=flag(
         type=int, help="larger request bodies get 413", default_text="64 MiB"))
     log_level: str = field(default="info", metadata=flag(choices=LOG_LEVELS, help="log messages of this level and above"))
+    decode_log_interval: int = field(default=DECODE_LOG_INTERVAL, metadata=flag(
+        type=int, help="log a 'Decode batch' line (running requests, tokens, gen throughput) every this many "
+                       "decode steps (at info level)"))
     enable_debug_endpoints: bool = field(default=False, metadata=flag(hidden=True))
     # NOTE: well above HTTP clients' pool expiry (httpx 5 s, aiohttp 15 s): a server that closes an
     # idle connection first races the client's next request on it
@@ -112,6 +116,7 @@ class ServerArgs:
         check_range("max_connections", self.max_connections, 1, 1 << 24, integer=True, or_none=True)
         check_range("shutdown_drain_s", self.shutdown_drain_s, 0, 86400, why="seconds")
         check_choice("log_level", self.log_level, LOG_LEVELS)
+        check_range("decode_log_interval", self.decode_log_interval, 1, 1 << 30, integer=True, why="decode steps")
         for name in ("api_key", "admin_api_key"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):

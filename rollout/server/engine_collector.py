@@ -16,8 +16,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
-from rollout.ipc.control_values import ITL_BUCKETS, TTFT_BUCKETS
 from rollout.frontend.engine_client import EngineDeadError
+from rollout.ipc.control_values import ITL_BUCKETS, TTFT_BUCKETS
 from rollout.server.batch_log import BatchLog, rank_stats
 from rollout.server.http_io import IgnoredFields
 
