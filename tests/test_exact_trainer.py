@@ -17,11 +17,11 @@ PROMPT_LENGTHS = [7, 30, 70, 3, 45, 66]
 PACKINGS = [(None, 1), (112, 16), (301, 7), (91, 1)]
 
 
-def _rollout_samples(path, seed: int = 5, max_new_tokens: int = 10):
+def _rollout_samples(path, seed: int = 5, max_new_tokens: int = 10, **engine_kw):
     from trainer_bridge import Sample
 
     prompts = random_prompts(seed, PROMPT_LENGTHS)
-    with make_engine(path, enable_deterministic_inference=True) as engine:
+    with make_engine(path, enable_deterministic_inference=True, **engine_kw) as engine:
         outs = engine.generate(input_ids=prompts, return_logprob=True, return_routed_experts=True,
                                sampling_params={"temperature": 1.0, "max_new_tokens": max_new_tokens,
                                                 "ignore_eos": True})
@@ -30,10 +30,12 @@ def _rollout_samples(path, seed: int = 5, max_new_tokens: int = 10):
             for i, (p, o) in enumerate(zip(prompts, outs))]
 
 
-def _load(path, exact: bool, dtype=torch.float32):
+def _load(path, exact: bool, dtype=torch.float32, fp8: bool = False):
+    """The trainer's model: exact mode (over FP8 rollouts: fp8), or transformers' own forward."""
     from transformers import AutoModelForCausalLM
 
     from trainer_bridge import enable_packed_masks
+    from trainer_bridge.exact_fp8 import make_trainer_fp8
     from trainer_bridge.exact_model import make_trainer_exact
 
     # NOTE: transformers' grouped-GEMM experts have no float64 kernel; its per-expert loop has
@@ -41,6 +43,8 @@ def _load(path, exact: bool, dtype=torch.float32):
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kw)
     if exact:
         assert make_trainer_exact(model) > 0
+        if fp8:
+            assert make_trainer_fp8(model) > 0
     else:
         enable_packed_masks(model)          # gpt-oss: transformers' own masks would mix packed samples
     return model
@@ -86,10 +90,12 @@ def minimax_m2(tiny_checkpoint):
     return path, _rollout_samples(path)
 
 
-def _check_equal_to_rollout(path, samples, packings=PACKINGS) -> None:
+def _check_equal_to_rollout(path, samples, packings=PACKINGS, fp8: bool = False) -> None:
+    """The exact trainer's logprobs and live routing equal the rollout's in every packing; the
+    other model differs (transformers' own ops; for FP8 rollouts, exact mode on the float weights)."""
     from trainer_bridge.packing import pack_samples
 
-    exact, plain = _load(path, exact=True), _load(path, exact=False)
+    exact, plain = _load(path, exact=True, fp8=fp8), _load(path, exact=fp8)
     differs = 0.0
     with torch.no_grad():
         for max_tokens, pad in packings:
@@ -106,7 +112,7 @@ def _check_equal_to_rollout(path, samples, packings=PACKINGS) -> None:
                 assert torch.equal(logits_r[0, rows], logits[0, rows])
                 _, lp_plain, _ = _forward(plain, mb)
                 differs = max(differs, float((lp_plain[m] - mb.rollout_logprobs[m]).abs().max()))
-    assert differs > 0, "transformers' own ops gave the rollout's bits too: the comparison tells nothing"
+    assert differs > 0, "the other model gave the rollout's bits too: the comparison tells nothing"
 
 
 def test_exact_logprobs_and_routing_equal_rollout_qwen3(qwen3):
@@ -238,13 +244,13 @@ def test_grpo_step_without_exact_mode_keeps_gpt_oss_samples_apart(gpt_oss):
     assert m["train_rollout_logprob_max_abs_diff"] < 1e-4, m["train_rollout_logprob_max_abs_diff"]
 
 
-def _check_grpo_step(path, samples) -> None:
+def _check_grpo_step(path, samples, **overrides) -> None:
     from trainer_bridge import grpo_advantages
     from trainer_bridge.policy_trainer import PolicyTrainer
     from trainer_bridge.train_config import load_train_config
 
     cfg = load_train_config(None, exact=True, server_dtype="float32", model_path=str(path), zero_stage=2,
-                            micro_batch_tokens=128, compare_no_replay=True, router_replay=True)
+                            micro_batch_tokens=128, compare_no_replay=True, router_replay=True, **overrides)
     trainer = PolicyTrainer(cfg, eos_id=2)
     before = {k: v.clone() for k, v in trainer.named_weights().items()}
     adv = grpo_advantages([s.reward for s in samples], [s.group_id for s in samples])

@@ -30,6 +30,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from .exact_fp8 import make_trainer_fp8
 from .exact_model import make_trainer_exact
 from .losses import rl_loss, token_logprobs
 from .metrics import step_metrics
@@ -126,6 +127,8 @@ class PolicyTrainer:
         model.config.use_cache = False
         if config.exact:
             make_trainer_exact(model)           # NOTE: its attention separates packed samples itself
+            if config.quantization == "fp8":
+                make_trainer_fp8(model)         # the FP8 weights the servers compute with
         else:
             enable_packed_masks(model)
         model.train()

@@ -157,6 +157,7 @@ def _server_flags(config: TrainConfig) -> list[str]:
             *(["--api-key", config.api_key] if config.api_key else []),
             *(["--admin-api-key", config.admin_api_key] if config.admin_api_key else []),
             *(["--enable-deterministic-inference"] if config.exact else []),
+            *(["--quantization", config.quantization] if config.quantization else []),
             *config.server_flags]
 
 

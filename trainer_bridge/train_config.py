@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Optional, Sequence, Union
 
 from capture.codec import RoutedExpertsFormat
+from rollout.config.backends import QUANTIZATIONS
 from rollout.value_range import check_choice, check_range
 
 from .losses import LossConfig
@@ -48,6 +49,9 @@ class TrainConfig:
     num_servers: int = _key(2, help="local rollout-serve processes to start when server_urls is empty")
     server_dtype: str = _key("bfloat16", help=f"dtype of the started servers, one of {', '.join(SERVER_DTYPES)} "
                              "(exact mode: float32)")
+    quantization: Optional[str] = _key(None, help="the servers' --quantization: fp8 rolls out on FP8 copies of the "
+                                       "trainer's weights (re-quantized at every sync); exact mode then trains "
+                                       "through the same FP8 weights. null: full precision")
     server_flags: tuple[str, ...] = _key((), help="extra rollout-serve flags for the started servers, "
                                          "e.g. [--max-running-requests, '64']")
     server_kv_cache_bytes: int = _key(64 * 2**20, help="KV cache bytes of each started server (--kv-cache-bytes)")
@@ -143,8 +147,12 @@ class TrainConfig:
         if self.exact and self.server_dtype != self.train_dtype:
             raise ConfigError(f"server_dtype: exact mode needs the trainer's dtype on the servers (train_dtype "
                               f"{self.train_dtype}), got {self.server_dtype!r}")
+        choice("quantization", QUANTIZATIONS, or_none=True, why="null: full precision")
+        if "--quantization" in self.server_flags:
+            raise ConfigError("server_flags: give the servers' quantization as the quantization key (the trainer "
+                              "must know it), not --quantization")
         if self.exact:
-            _check_exact_model(self.model_path)
+            _check_exact_model(self.model_path, self.quantization)
 
     @property
     def loss_config(self) -> LossConfig:
@@ -185,9 +193,11 @@ def _checkpoint_config(model_path: str) -> dict:
                           f"has no readable config.json ({exc})") from None
 
 
-def _check_exact_model(model_path: str) -> None:
-    """exact: true needs a checkpoint whose architecture exact mode matches bit for bit; refused
-    here, before any server starts (the trainer would refuse it only after they are up)."""
+def _check_exact_model(model_path: str, quantization: Optional[str]) -> None:
+    """exact: true needs a full-precision checkpoint whose architecture exact mode matches bit for
+    bit (with the servers' quantization); refused here, before any server starts (the trainer would
+    refuse it only after they are up)."""
+    from .exact_fp8 import EXACT_FP8_UNSUPPORTED
     from .exact_model import EXACT_ARCHITECTURES, check_exact_support
 
     cfg = _checkpoint_config(model_path)
@@ -199,6 +209,13 @@ def _check_exact_model(model_path: str) -> None:
         check_exact_support(archs[0], cfg)
     except ValueError as exc:
         raise ConfigError(f"exact: {exc} (checkpoint {model_path!r}; exact: false runs it without exact mode)") from None
+    if cfg.get("quantization_config"):
+        raise ConfigError(f"exact: exact mode trains a full-precision checkpoint; {model_path!r} is quantized "
+                          f"({cfg['quantization_config'].get('quant_method')!r}): quantization: fp8 rolls out in "
+                          "FP8 from a full-precision one")
+    if quantization == "fp8" and archs[0] in EXACT_FP8_UNSUPPORTED:
+        raise ConfigError(f"quantization: exact mode with FP8 rollouts does not support {archs[0]} (its expert "
+                          "layout); exact: false trains it against FP8 rollouts with router replay")
 
 
 # ---- loading ------------------------------------------------------------------------------------

@@ -243,6 +243,24 @@ class Fp8Linear(nn.Module):
         quantize_into(value, self.weight, self.scale, self.scheme)
 
 
+def fake_quantize(weight: torch.Tensor, scheme: Fp8Scheme = ONLINE, halves: int = 1) -> torch.Tensor:
+    """The weight a model computes with after quantizing the float `weight` [out, in] (or experts'
+    [E, out, in]) to FP8: dequantize(quantize(weight)) in weight's dtype, the same bits as the
+    engine's layers give (Fp8Linear.dense_weight, FusedExperts.dense). halves=2: gate and up
+    stacked on dim -2, each quantized on its own block grid (w13)."""
+    if weight.dim() > 2:
+        return torch.stack([fake_quantize(w, scheme, halves) for w in weight])
+    if halves > 1:
+        return torch.cat([fake_quantize(part, scheme) for part in weight.chunk(halves, dim=0)], dim=0)
+    return dequantize(*quantize(weight, scheme), scheme, weight.dtype)
+
+
+def online_quantized(name: str, out_features: int, scheme: Fp8Scheme = ONLINE) -> bool:
+    """Whether online quantization makes the linear layer `name` FP8: every one but the lm_head,
+    the scheme's ignored ones and single-output gates (a router is not a linear layer here)."""
+    return name != "lm_head" and not scheme.ignored(name) and out_features >= 2
+
+
 def dense_weight(linear: nn.Module, dtype: torch.dtype) -> torch.Tensor:
     """A linear layer's weight in dtype, dequantized when it is FP8 (for code that reads weights)."""
     return linear.dense_weight(dtype) if isinstance(linear, Fp8Linear) else linear.weight
@@ -260,7 +278,7 @@ def quantize_linears(model: nn.Module, scheme: Fp8Scheme, names: set[str] | None
                 continue
             if names is not None and full not in names:
                 continue
-            if names is None and (full == "lm_head" or scheme.ignored(full) or child.out_features < 2):
+            if names is None and not online_quantized(full, child.out_features, scheme):
                 continue
             setattr(parent, child_name, Fp8Linear(child.in_features, child.out_features, child.bias is not None,
                                                   scheme, dtype=child.weight.dtype).to(device=child.weight.device))
