@@ -5,7 +5,7 @@ real rollout-serve each, on bench_server's GRPO batch and 64 streaming clients.
 
 All four engines live for the whole run and the variants alternate within every repeat, so the
 machine's background load biases neither; each HTTP client keeps one warmed connection pool.
-Prints output tok/s per repeat and the medians (docs/benchmarks.md, session 7).
+Prints output tok/s per repeat and the medians (docs/benchmarks-history.md, "Server and engine process").
 """
 from __future__ import annotations
 

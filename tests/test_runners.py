@@ -217,6 +217,53 @@ def test_moe_expert_paths_agree(dtype, atol):
         shard(x, w, ids, experts=(1, 4))
 
 
+@pytest.mark.parametrize("fp8", [False, True])
+def test_small_batches_read_only_the_experts_routed_to(monkeypatch, fp8):
+    """At batch 1 the padded path gathers (and, FP8, dequantizes) the top-k experts' weights only,
+    not all 32 held: its cost follows the experts routed to. The output is the bits of the path
+    over every expert, and of the per-expert loop."""
+    from rollout.models.quant.fp8 import ONLINE, quantize_into
+
+    torch.manual_seed(0)
+    module = FusedExperts(hidden_size=256, intermediate_size=128, num_experts=32)
+    with torch.no_grad():
+        module.w13.normal_(std=0.1)
+        module.w2.normal_(std=0.1)
+    if fp8:
+        w13, w2 = module.w13.detach().clone(), module.w2.detach().clone()
+        module.quantize_fp8(ONLINE)
+        for e in range(32):
+            for half in (0, 1):
+                quantize_into(w13[e, half * 128:(half + 1) * 128], module.w13.data[e, half * 128:(half + 1) * 128],
+                              module.w13_scale_inv.data[e, half:half + 1], ONLINE)
+            quantize_into(w2[e], module.w2.data[e], module.w2_scale_inv.data[e], ONLINE)
+    read = []
+    dense = module.dense
+
+    def counting(name, first, num, dtype, ids=None):
+        out = dense(name, first, num, dtype, ids)
+        read.append(out.shape[0])
+        return out
+    monkeypatch.setattr(module, "dense", counting)
+    x, w = torch.randn(1, 256), torch.rand(1, 4)
+    ids = torch.tensor([[30, 3, 17, 8]])
+    with torch.no_grad():
+        got = module(x, w, ids, impl="padded")
+        assert read == [4, 4]                                          # w13 and w2 of 4 experts
+        assert torch.equal(got, module(x, w, ids, impl="loop"))
+        # 20 tokens routed to at most 12 of the 32: gathered; to over half of them: all read at
+        # once, unless FP8 (whose dequantization is the cost: only the routed ones, always)
+        for n_exp in (12, 28):
+            read.clear()
+            many = torch.stack([torch.randperm(n_exp)[:4] for _ in range(20)])
+            active = len(many.unique())
+            xs, ws = torch.randn(20, 256), torch.rand(20, 4)
+            got = module(xs, ws, many, impl="padded")
+            want = active if fp8 or 2 * active <= 32 else 32
+            assert read == [want, want], (n_exp, active, read)
+            assert torch.allclose(got, module(xs, ws, many, impl="loop"), atol=1e-5)
+
+
 def test_routed_dp_rank_validated(tiny_checkpoint):
     with make_engine(tiny_checkpoint("qwen3_moe")) as engine:
         assert engine.generate(input_ids=[[5, 6]], sampling_params={"max_new_tokens": 1}, routed_dp_rank=0)

@@ -5,7 +5,7 @@ the caller's Python API) turns them into chunks while the engine runs its next f
 without a spare core the two then contend: one of the engine's OpenMP threads is preempted and
 the others wait for it at every barrier. Measured on 2 CPUs with 64 streams, one thread beat two
 on both the server and the Python API, while a non-streaming GRPO batch (the front end idle
-between steps) ran faster with two (docs/benchmarks.md).
+between steps) ran faster with two (docs/benchmarks-history.md, "Server and engine process").
 
 So a forward that follows a step which sent stream deltas runs with `reserve` threads fewer, and
 every other forward with all of them. vLLM's CPU backend likewise keeps a core for its front end.

@@ -76,15 +76,18 @@ class FusedExperts(nn.Module):
                         p.data = p.data.to(want)
         return self
 
-    def dense(self, name: str, first: int, num: int, dtype: torch.dtype) -> torch.Tensor:
-        """w13 or w2 of held experts [first, first + num) in dtype (dequantized when FP8)."""
-        w = getattr(self, name)[first:first + num]
+    def dense(self, name: str, first: int, num: int, dtype: torch.dtype,
+              ids: torch.Tensor | None = None) -> torch.Tensor:
+        """w13 or w2 of held experts [first, first + num) in dtype (dequantized when FP8); ids:
+        those experts (held indices) instead, gathered (only they are dequantized)."""
+        pick = (lambda t: t[first:first + num]) if ids is None else (lambda t: t.index_select(0, ids))
+        w = pick(getattr(self, name))
         if self.fp8 is None:
             return w
-        scale = self.scale_of(name)[first:first + num]
-        if name == "w2":
-            return dequantize(w, scale, self.fp8, dtype)
+        scale = pick(self.scale_of(name))
         half, rows = w.shape[1] // 2, scale.shape[1] // 2       # gate and up: each its own block grid
+        if name == "w2" or self.fp8.granularity != "block" or half % self.fp8.block[0] == 0:
+            return dequantize(w, scale, self.fp8, dtype)        # NOTE: whole blocks: one grid for both
         return torch.cat((dequantize(w[:, :half], scale[:, :rows], self.fp8, dtype),
                           dequantize(w[:, half:], scale[:, rows:], self.fp8, dtype)), dim=1)
 
@@ -117,12 +120,15 @@ class FusedExperts(nn.Module):
         gate = gate.clamp(max=limit)
         return gate * torch.sigmoid(gate * self.swiglu_alpha) * (up.clamp(-limit, limit) + 1)
 
-    def _held(self, lo: int, hi: int, dtype: torch.dtype
+    def _held(self, lo: int, hi: int, dtype: torch.dtype, ids: torch.Tensor | None = None
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """w13, w2, b13, b2 of the global experts [lo, hi) (views; FP8 weights dequantized to dtype)."""
+        """w13, w2, b13, b2 of the global experts [lo, hi) (views; FP8 weights dequantized to dtype);
+        ids: only those of them (indices from lo), gathered."""
         first, num = lo - self.expert_lo, hi - lo
-        narrow = (lambda t: None if t is None else t[first:first + num])
-        return (self.dense("w13", first, num, dtype), self.dense("w2", first, num, dtype),
+        if ids is not None:
+            ids = ids + first
+        narrow = (lambda t: None if t is None else (t[first:first + num] if ids is None else t.index_select(0, ids)))
+        return (self.dense("w13", first, num, dtype, ids), self.dense("w2", first, num, dtype, ids),
                 narrow(self.b13), narrow(self.b2))
 
     def _bias_kw(self, b13: torch.Tensor | None, b2: torch.Tensor | None) -> dict:
@@ -225,9 +231,20 @@ class FusedExperts(nn.Module):
         order = order[:rows]                                               # held rows only
         sorted_group = group.index_select(0, order)
         starts = torch.cumsum(counts, 0) - counts
-        slot = sorted_group * cap + (torch.arange(rows, device=x.device) - starts.index_select(0, sorted_group))
+        within = torch.arange(rows, device=x.device) - starts.index_select(0, sorted_group)
         token_of = order // k                                              # [rows] token row
-        w13, w2, b13, b2 = self._held(lo, hi, x.dtype)
+        active = [e for e in range(num) if counts_host[e]]
+        if 2 * len(active) <= num or self.fp8 is not None:
+            # NOTE: only the experts routed to: a small batch reads (and dequantizes) their weights,
+            # not every held expert's
+            ids = torch.tensor(active, device=x.device)
+            compact = torch.zeros(num, dtype=torch.long, device=x.device).index_copy_(
+                0, ids, torch.arange(len(active), device=x.device))
+            sorted_group, num = compact.index_select(0, sorted_group), len(active)
+            w13, w2, b13, b2 = self._held(lo, hi, x.dtype, ids)
+        else:
+            w13, w2, b13, b2 = self._held(lo, hi, x.dtype)
+        slot = sorted_group * cap + within
         padded = x.new_zeros(num * cap, x.shape[1]).index_copy_(0, slot, x.index_select(0, token_of))
         h = torch.bmm(padded.view(num, cap, -1), w13.transpose(1, 2))      # [E, cap, 2I]
         if b13 is not None:

@@ -127,10 +127,20 @@ def _expand(scale: torch.Tensor, shape: tuple[int, int], scheme: Fp8Scheme) -> t
 
 def dequantize(weight: torch.Tensor, scale: torch.Tensor, scheme: Fp8Scheme,
                dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """FP8 weight [..., out, in] with its scales -> the float weight in dtype (weight x scale in fp32)."""
-    if weight.dim() > 2:
-        return torch.stack([dequantize(w, s, scheme, dtype) for w, s in zip(weight, scale)])
-    return (weight.float() * _expand(scale, tuple(weight.shape), scheme)).to(dtype)
+    """FP8 weight [..., out, in] with its scales [..., *scale_shape] -> the float weight in dtype
+    (weight x scale in fp32, element by element). Block scales multiply a block view of the
+    weight in place (no scale tensor of the weight's size; the edge blocks padded), so the cost is
+    one pass over the weight, stacked experts included."""
+    w = weight.float()
+    if scheme.granularity != "block":
+        return w.mul_(scale.float()).to(dtype)       # [out, 1] (per channel, also stacked) or [1]
+    b0, b1 = scheme.block
+    *lead, out, inp = w.shape
+    rows, cols = math.ceil(out / b0), math.ceil(inp / b1)
+    if rows * b0 != out or cols * b1 != inp:
+        w = F.pad(w, (0, cols * b1 - inp, 0, rows * b0 - out))
+    blocks = w.view(*lead, rows, b0, cols, b1).mul_(scale.float().view(*lead, rows, 1, cols, 1))
+    return blocks.view(*lead, rows * b0, cols * b1)[..., :out, :inp].to(dtype).contiguous()
 
 
 def quantize(weight: torch.Tensor, scheme: Fp8Scheme) -> tuple[torch.Tensor, torch.Tensor]:
