@@ -60,7 +60,8 @@ def make_trainer_fp8(model: nn.Module) -> int:
             halves = {"weight": 1} if online_quantized(name, module.out_features) else {}
         else:
             params = dict(module.named_parameters(recurse=False))
-            halves = {k: n for k, n in (("gate_up_proj", 2), ("down_proj", 1)) if getattr(params.get(k), "ndim", 0) == 3}
+            halves = {k: n for k, n in (("gate_up_proj", 2), ("down_proj", 1))
+                      if getattr(params.get(k), "ndim", 0) == 3}
         if not halves:
             continue
         base = type(module)

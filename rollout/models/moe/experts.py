@@ -127,7 +127,8 @@ class FusedExperts(nn.Module):
         first, num = lo - self.expert_lo, hi - lo
         if ids is not None:
             ids = ids + first
-        narrow = (lambda t: None if t is None else (t[first:first + num] if ids is None else t.index_select(0, ids)))
+        narrow = (lambda t: None if t is None else
+                  (t[first:first + num] if ids is None else t.index_select(0, ids)))
         return (self.dense("w13", first, num, dtype, ids), self.dense("w2", first, num, dtype, ids),
                 narrow(self.b13), narrow(self.b2))
 
