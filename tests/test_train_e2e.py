@@ -385,10 +385,11 @@ def test_server_dying_after_its_rollouts_does_not_stop_the_weight_sync(tmp_path,
     assert "at" in killed
     _check_steps(result, cfg)
     assert result.history[1]["retried_samples"] == 0         # the rollouts were all done
-    # NOTE: the supervisor restarts the killed server; whether it answers /health again before the
-    # last step depends on the host's speed (as in the mid-rollout kill above)
+    # NOTE: the supervisor restarts the killed server; whether it answers again before the step's
+    # weight sync (which then brings it the new weights) or only before a later one depends on the
+    # host's speed (as in the mid-rollout kill above); every rollout's version is checked by the loop
     alive = [r["servers_alive"] for r in result.history]
-    assert alive[:2] == [2, 1] and alive[2] in (1, 2), alive
+    assert alive[0] == 2 and alive[1] in (1, 2) and alive[2] in (1, 2), alive
     assert result.client_loads[servers.urls[0]]["alive"] is (alive[2] == 2)
 
 
