@@ -143,3 +143,12 @@ def test_attention_gradients_with_sinks_match_hf_float64():
     ref = torch.autograd.grad((hf_sink_attention(*leaves[:3], causal, 0.3, leaves[3]) * up.double()).sum(), leaves)
     for got, want in zip(grads, ref):
         assert torch.allclose(got.double(), want, atol=1e-4)
+
+
+def test_sinks_on_an_empty_batch():
+    """A DP rank's static runner may attend over no request at all (B = 0), sinks included."""
+    from rollout.exact.attention import attention as exact_attention
+
+    q, k = torch.zeros(0, 2, 5, 8), torch.zeros(0, 2, 7, 8)
+    out = exact_attention(q, k, k, torch.ones(0, 1, 5, 7, dtype=torch.bool), 0.3, sinks=torch.zeros(1, 2, 1))
+    assert out.shape == (0, 2, 5, 8)

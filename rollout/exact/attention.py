@@ -79,7 +79,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
 def _row_sinks(sinks: torch.Tensor, b: int, g: int, r: int, pr: int) -> torch.Tensor:
     """sinks broadcastable to [B, G, R] -> fp32 [G, B, nq, 1, Q_TILE, 1] (padded rows' sinks 0)."""
     rows = _pad_rows(sinks.float().expand(b, g, r)[..., None], pr)              # [B, G, nq * Qt, 1]
-    return rows.reshape(b, g, -1, 1, Q_TILE, 1).transpose(0, 1)
+    return rows.reshape(b, g, (r + pr) // Q_TILE, 1, Q_TILE, 1).transpose(0, 1)   # NOTE: B may be 0
 
 
 def _tiles(x: torch.Tensor, nq: int, nk: int) -> torch.Tensor:
