@@ -152,3 +152,6 @@ def test_sinks_on_an_empty_batch():
     q, k = torch.zeros(0, 2, 5, 8), torch.zeros(0, 2, 7, 8)
     out = exact_attention(q, k, k, torch.ones(0, 1, 5, 7, dtype=torch.bool), 0.3, sinks=torch.zeros(1, 2, 1))
     assert out.shape == (0, 2, 5, 8)
+    from rollout.models.attention.sink_sdpa import sdpa_with_sinks                  # the default mode's path
+
+    assert sdpa_with_sinks(torch.zeros(0, 4, 3, 8), q[:, :, :2], q[:, :, :2], None, 0.3, torch.zeros(4)).shape == (0, 4, 3, 8)

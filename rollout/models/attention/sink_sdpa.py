@@ -46,8 +46,9 @@ def sdpa_with_sinks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: tor
     p = logits.sub_(m).exp_()                                                    # [B, kvH, G, E, S]
     denom = p.sum(-1, keepdim=True) + torch.exp(sink - m)                       # [B, kvH, G, E, 1]
     denom = torch.where(denom == 0, torch.ones_like(denom), denom)
-    out = torch.matmul(p.view(b, kvh, grp * e, s), v.float()).view(b, kvh, grp, e, -1) / denom
-    return out.view(b, h, e, -1).to(q.dtype)
+    dv = v.shape[-1]                                                             # NOTE: B may be 0
+    out = torch.matmul(p.view(b, kvh, grp * e, s), v.float()).view(b, kvh, grp, e, dv) / denom
+    return out.view(b, h, e, dv).to(q.dtype)
 
 
 def _grouped(mask: torch.Tensor, heads: int, kv_heads: int) -> torch.Tensor:
