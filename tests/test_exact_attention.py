@@ -154,4 +154,5 @@ def test_sinks_on_an_empty_batch():
     assert out.shape == (0, 2, 5, 8)
     from rollout.models.attention.sink_sdpa import sdpa_with_sinks                  # the default mode's path
 
-    assert sdpa_with_sinks(torch.zeros(0, 4, 3, 8), q[:, :, :2], q[:, :, :2], None, 0.3, torch.zeros(4)).shape == (0, 4, 3, 8)
+    kv = torch.zeros(0, 2, 2, 8)
+    assert sdpa_with_sinks(torch.zeros(0, 4, 3, 8), kv, kv, None, 0.3, torch.zeros(4)).shape == (0, 4, 3, 8)
