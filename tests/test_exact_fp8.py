@@ -70,7 +70,6 @@ def test_straight_through_gradient(qwen3_fp8):
     """The FP8 trainer's gradient on each master weight is the gradient the same exact forward
     gives on the FP8 weights themselves (a float model loaded with them), bit for bit."""
     from trainer_bridge.packing import pack_samples
-    from trainer_bridge.exact_fp8 import make_trainer_fp8  # noqa: F401  (via _load)
 
     path, samples = qwen3_fp8
     fp8 = _load(path, exact=True, fp8=True)
