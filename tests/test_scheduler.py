@@ -2,6 +2,7 @@
 a decode step only ever takes requests whose prompt is computed, and every request finishes."""
 from __future__ import annotations
 
+import os
 import random
 
 import torch
@@ -12,6 +13,7 @@ from rollout.batch.kv_pool import KVPool
 from rollout.core.radix_cache import RadixCache
 from rollout.core.request import Req, ReqStatus
 from rollout.core.scheduler import Scheduler
+from rollout.core.shared_prefixes import SharedPrefixes
 from rollout.sampling_params import SamplingParams
 
 
@@ -81,3 +83,49 @@ def test_a_request_mid_chunked_prefill_is_not_decoded_under_kv_pressure():
        n_reqs=st.integers(1, 10), cache=st.booleans(), arrivals=st.integers(0, 8))
 def test_random_workloads_decode_only_computed_prompts_and_finish(seed, num_slots, chunk, n_reqs, cache, arrivals):
     _drive(seed, num_slots, chunk, n_reqs, cache, arrivals)
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**16), n=st.integers(1, 12), min_shared=st.integers(1, 8))
+def test_shared_prefixes_answer_as_a_common_prefix_scan_of_every_pair(seed, n, min_shared):
+    """The index answers what the definition says: some added request (same namespace) holds the
+    candidate's first cache_len + min_shared tokens."""
+    rng = random.Random(seed)
+    base = [rng.randrange(3, 6) for _ in range(16)]
+
+    def make(uid: int) -> Req:
+        prompt = base[:rng.randint(0, 16)] + [rng.randrange(3, 6) for _ in range(rng.randint(0, 6))]
+        req = Req(uid=uid, rid=str(uid), prompt_ids=prompt or [3], params=SamplingParams(max_new_tokens=4), seed=uid,
+                  output_ids=[rng.randrange(3, 6) for _ in range(rng.randint(0, 3))])
+        req.cache_ns = rng.choice([0, 0, 0, 1000])
+        req.cache_len = rng.randint(0, 4)
+        return req
+
+    index, added = SharedPrefixes(min_shared), []
+    for uid in range(n):
+        req = make(uid)
+        want = any(o.cache_ns == req.cache_ns and len(os.path.commonprefix([req.fill_ids, o.fill_ids]))
+                   - req.cache_len >= min_shared for o in added)
+        assert index.shares(req) == want
+        if rng.random() < 0.7:
+            index.add(req)
+            added.append(req)
+
+
+def test_samples_of_one_prompt_compute_it_once():
+    """n requests with one uncached prompt: the first computes it, the others wait a step and then
+    find all of it but the last token in the prefix cache."""
+    pool = KVPool(num_slots=512, num_layers=1, num_kv_heads=1, head_dim=2, dtype=torch.float32)
+    sched = Scheduler(kv_pool=pool, cache=RadixCache(pool, enabled=True), max_running_requests=16,
+                      prefill_token_budget=256, context_length=512)
+    prompt = list(range(3, 43))
+    reqs = [Req(uid=i, rid=str(i), prompt_ids=list(prompt), params=SamplingParams(max_new_tokens=2), seed=i)
+            for i in range(4)]
+    for req in reqs:
+        sched.add(req)
+    first = sched.schedule()
+    assert [r.uid for r in first.reqs] == [0] and first.extend_lens == [40]
+    sched.cache_unfinished(reqs[0])
+    second = sched.schedule()
+    assert sorted(r.uid for r in second.reqs if r.uid) == [1, 2, 3]
+    assert all(e == 1 for r, e in zip(second.reqs, second.extend_lens) if r.uid)

@@ -7,7 +7,6 @@ requests are retracted: their KV goes to the prefix cache and they re-queue at t
 """
 from __future__ import annotations
 
-import os
 from collections import Counter
 from itertools import chain
 from operator import attrgetter
@@ -18,6 +17,7 @@ import torch
 from rollout.batch.kv_pool import KVPool, ReqToTokenPool
 from rollout.core.radix_cache import RadixCache
 from rollout.core.request import Req, ReqStatus, WaitQueue
+from rollout.core.shared_prefixes import SharedPrefixes
 from rollout.batch.forward_batch import ScheduledBatch
 
 
@@ -195,6 +195,7 @@ class Scheduler:
         # NOTE: the queue is read lazily (it may hold many thousands) and changed after the loop.
         candidates = chain(chunked, self.waiting)
         running_count = len(self.running)
+        shared = SharedPrefixes(MIN_SHARED_PREFIX) if self.cache.enabled else None
         for req in candidates:
             if budget <= 0:
                 break
@@ -204,7 +205,7 @@ class Scheduler:
                         self.admit_limit is not None and req.queue_seq > self.admit_limit):
                     break
                 self._admit(req)
-                if self._shares_uncached_prefix(req, reqs):
+                if shared is not None and shared.shares(req):
                     # NOTE: wait one step: the prefix computed by the earlier request is cached then,
                     # so n samples of one prompt compute its KV once.
                     self._unadmit(req)
@@ -217,6 +218,8 @@ class Scheduler:
                     self._unadmit(req)
                 break
             reqs.append(req)
+            if shared is not None:
+                shared.add(req)
             pre.append(req.kv_len)
             ext.append(take)
             locs.append(slots)
@@ -253,18 +256,6 @@ class Scheduler:
     def _kv_indices(self, reqs: list[Req], width: int) -> torch.Tensor:
         rows = torch.tensor([r.req_to_token_row for r in reqs], dtype=torch.int64)
         return self.req_to_token.gather(rows, width)
-
-    def _shares_uncached_prefix(self, req: Req, scheduled: list[Req]) -> bool:
-        if not self.cache.enabled:
-            return False
-        ids = req.fill_ids
-        for other in scheduled:
-            if other.cache_ns != req.cache_ns:
-                continue
-            common = len(os.path.commonprefix([ids, other.fill_ids]))
-            if common - req.cache_len >= MIN_SHARED_PREFIX:
-                return True
-        return False
 
     def _schedule_decode(self) -> Optional[ScheduledBatch]:
         """One token for every running request whose prompt is computed. A request still in its
