@@ -56,3 +56,43 @@ def test_a_row_samples_the_same_token_in_any_batch():
     for i in range(6):
         one = sample(logits[i:i + 1], params[:1], [i], [3], [[]], [[]], [0]).next_ids
         assert one.item() == full[i].item()
+
+
+@pytest.mark.parametrize("kw", [dict(top_k=20), dict(top_k=1), dict(top_p=0.9), dict(top_k=50, top_p=0.8, min_p=0.02),
+                                dict(temperature=0.6, min_p=0.1), dict(top_k=4000)])
+def test_rows_cut_to_a_few_tokens_sample_as_the_whole_masked_row(kw):
+    """The candidate path (top-k of the row, no sort of the vocabulary) draws the tokens the
+    dense path (the whole row sorted and masked, its float64 CDF) draws, with the same logprobs."""
+    from rollout.exec import sampler
+
+    torch.manual_seed(1)
+    bsz, vocab = 64, 16_384
+    logits = torch.randn(bsz, vocab) * 4
+    params = SamplingParams(**kw)
+    seeds, positions = list(range(100, 100 + bsz)), [11] * bsz
+    got = sample(logits, [params] * bsz, seeds, positions, [[]] * bsz, None, [0] * bsz)
+    scaled = logits / params.temperature
+    top_k = torch.full((bsz,), params.top_k)
+    top_p, min_p = torch.full((bsz,), params.top_p), torch.full((bsz,), params.min_p)
+    kept = sampler.candidates(scaled, [params.top_k] * bsz, top_k, top_p, min_p)
+    assert (kept is not None) == (kw != dict(top_k=4000))       # 4,000 of 16,384: the sort is used
+    dense = torch.log_softmax(sampler._truncate(scaled, top_k, top_p, min_p), -1)
+    want = sampler.inverse_cdf(dense, counter_uniform(seeds, positions))
+    assert torch.equal(got.next_ids, want)
+    assert torch.allclose(got.logprobs, torch.log_softmax(scaled, -1).gather(1, want[:, None]).squeeze(1))
+    proc = sample(logits, [SamplingParams(**kw, logprob_mode="processed")] * bsz, seeds, positions, [[]] * bsz,
+                  None, [5] * bsz)
+    assert torch.equal(proc.next_ids, want)
+    assert torch.allclose(proc.logprobs, dense.gather(1, want[:, None]).squeeze(1), atol=1e-6)
+    assert torch.allclose(proc.top_logprobs, torch.topk(dense, 5, -1).values, atol=1e-6)
+
+
+def test_greedy_rows_beside_sampled_ones_are_not_sampled_and_do_not_move_the_others():
+    torch.manual_seed(2)
+    logits = torch.randn(6, 3000)
+    sampled, greedy = SamplingParams(temperature=0.8, top_k=30), SamplingParams(temperature=0.0)
+    mixed = [sampled, greedy, sampled, greedy, greedy, sampled]
+    out = sample(logits, mixed, list(range(6)), [4] * 6, [[]] * 6, None, [0] * 6).next_ids
+    alone = sample(logits[[0, 2, 5]], [sampled] * 3, [0, 2, 5], [4] * 3, [[]] * 3, None, [0] * 3).next_ids
+    assert torch.equal(out[[1, 3, 4]], logits[[1, 3, 4]].argmax(-1))
+    assert torch.equal(out[[0, 2, 5]], alone)

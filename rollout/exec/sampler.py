@@ -23,6 +23,7 @@ _MIX1, _MIX2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
 _S11, _S27, _S30, _S31 = np.uint64(11), np.uint64(27), np.uint64(30), np.uint64(31)
 _SAMPLER_KEY = attrgetter("sampler_key")
 PENALIZED_LOGIT_LIMIT = 1e30   # x 1/GREEDY_TEMPERATURE (1e6) stays below float32's max (3.4e38)
+MAX_CANDIDATES = 1024          # rows cut to at most this many tokens sample among them, not the vocabulary
 
 
 def _splitmix64(z: np.ndarray) -> np.ndarray:
@@ -80,21 +81,65 @@ def _apply_penalties(logits: torch.Tensor, params: Sequence[SamplingParams],
     return logits
 
 
-def _truncate(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-              min_p: torch.Tensor) -> torch.Tensor:
-    """Masks (to -inf) tokens outside each row's top-k / top-p / min-p set. scaled: [B, V]."""
-    vocab = scaled.shape[1]
-    sorted_logits, order = torch.sort(scaled, dim=-1, descending=True)
-    probs = torch.softmax(sorted_logits, dim=-1)
-    rank = torch.arange(vocab, device=scaled.device)[None, :]
+def _cut(sorted_logits: torch.Tensor, lse: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+         min_p: torch.Tensor, vocab: int) -> torch.Tensor:
+    """The drop mask [B, K] of each row's leading K tokens, in descending order of their logits
+    (all of the vocabulary, or its K best): outside the row's top-k, past its top-p mass, or less
+    likely than min_p times its best token. lse [B, 1]: the rows' log-sum-exp over the whole
+    vocabulary, so the probabilities, and the cut, are the same for any K that holds it."""
+    probs = torch.exp(sorted_logits - lse)
+    rank = torch.arange(sorted_logits.shape[1], device=sorted_logits.device)[None, :]
     k = torch.where(top_k <= 0, torch.full_like(top_k, vocab), top_k.clamp(max=vocab))
     drop = rank >= k[:, None]
     cum_before = torch.cumsum(probs, dim=-1) - probs
-    drop |= cum_before >= top_p[:, None]
+    # NOTE: top_p 1 cuts nothing: float32's running sum can reach 1.0 before the tail ends
+    drop |= (cum_before >= top_p[:, None]) & (top_p < 1.0)[:, None]
     drop |= probs < (min_p[:, None] * probs[:, :1])
     drop[:, 0] = False
+    return drop
+
+
+def _truncate(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+              min_p: torch.Tensor) -> torch.Tensor:
+    """Masks (to -inf) tokens outside each row's top-k / top-p / min-p set. scaled: [B, V]."""
+    sorted_logits, order = torch.sort(scaled, dim=-1, descending=True)
+    drop = _cut(sorted_logits, torch.logsumexp(scaled, -1, keepdim=True), top_k, top_p, min_p, scaled.shape[1])
     masked_sorted = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.empty_like(scaled).scatter_(1, order, masked_sorted)
+
+
+@dataclass(frozen=True)
+class Candidates:
+    """The tokens each row's top-k / top-p / min-p cut keeps, as K columns (K = the largest
+    top-k, or MAX_CANDIDATES): vocabulary ids ascending [B, K] and their logits over temperature,
+    -inf where cut [B, K]. Sampling by inverse CDF over them in id order picks the token the whole
+    masked row would (a cut token adds an exact 0 to the running sum)."""
+    ids: torch.Tensor
+    logits: torch.Tensor
+
+    def dense(self, vocab: int, values: torch.Tensor) -> torch.Tensor:
+        """values [B, K] (per candidate) spread over [B, vocab], -inf elsewhere."""
+        out = torch.full((values.shape[0], vocab), float("-inf"), dtype=values.dtype, device=values.device)
+        return out.scatter_(1, self.ids, values)
+
+
+def candidates(scaled: torch.Tensor, ks: Sequence[int], top_k: torch.Tensor, top_p: torch.Tensor,
+               min_p: torch.Tensor) -> Optional[Candidates]:
+    """Every row's kept tokens without sorting the vocabulary: its K best by torch.topk, the cut of
+    _truncate over them. ks: top_k as a list. None when a row's cut may lie beyond MAX_CANDIDATES
+    tokens (the caller then truncates the whole row)."""
+    vocab = scaled.shape[1]
+    want = max((min(k, MAX_CANDIDATES) if k > 0 else MAX_CANDIDATES) for k in ks)
+    width = min(vocab, want)
+    if width * 4 > vocab:
+        return None   # NOTE: a small vocabulary: the sort costs little, and the candidates would not
+    vals, ids = torch.topk(scaled, width, dim=-1)
+    drop = _cut(vals, torch.logsumexp(scaled, -1, keepdim=True), top_k, top_p, min_p, vocab)
+    held = to_device(torch.tensor([0 < k <= width for k in ks]), scaled.device)
+    if not bool((drop[:, -1] | held).all()):
+        return None   # NOTE: a row keeps its last candidate without a top-k that stops there
+    ids, order = ids.sort(dim=-1)
+    return Candidates(ids, vals.masked_fill(drop, float("-inf")).gather(1, order))
 
 
 def _ban(logits: torch.Tensor, banned_ids: Sequence[Sequence[int]]) -> torch.Tensor:
@@ -108,9 +153,10 @@ def _ban(logits: torch.Tensor, banned_ids: Sequence[Sequence[int]]) -> torch.Ten
 
 
 def _process(logits: torch.Tensor, params: Sequence[SamplingParams],
-             uniform: bool) -> tuple[list[bool], torch.Tensor, torch.Tensor, set[str]]:
-    """-> (greedy rows, logits over temperature, those truncated by top-k / top-p / min-p, the
-    rows' logprob modes). uniform: every row has params[0]'s sampler key."""
+             uniform: bool) -> tuple[list[bool], torch.Tensor, torch.Tensor | Candidates, set[str]]:
+    """-> (greedy rows, logits over temperature, those truncated by top-k / top-p / min-p (as
+    Candidates when every row is cut to a few), the rows' logprob modes). uniform: every row has
+    params[0]'s sampler key."""
     bsz = logits.shape[0]
     dev = logits.device
     first = params[0]
@@ -128,13 +174,14 @@ def _process(logits: torch.Tensor, params: Sequence[SamplingParams],
         modes = {p.logprob_mode for p in params}
     if not (needs_trunc[0] if uniform else any(needs_trunc)):
         return is_greedy, scaled, scaled, modes
-    top_k = to_device(torch.tensor([p.top_k if t else -1 for p, t in zip(params, needs_trunc)],
-                                   dtype=torch.int64), dev)
+    ks = [p.top_k if t else -1 for p, t in zip(params, needs_trunc)]
+    top_k = to_device(torch.tensor(ks, dtype=torch.int64), dev)
     top_p = to_device(torch.tensor([p.top_p if t else 1.0 for p, t in zip(params, needs_trunc)],
                                    dtype=torch.float32), dev)
     min_p = to_device(torch.tensor([p.min_p if t else 0.0 for p, t in zip(params, needs_trunc)],
                                    dtype=torch.float32), dev)
-    return is_greedy, scaled, _truncate(scaled, top_k, top_p, min_p), modes
+    kept = candidates(scaled, ks, top_k, top_p, min_p) if all(needs_trunc) else None
+    return is_greedy, scaled, kept if kept is not None else _truncate(scaled, top_k, top_p, min_p), modes
 
 
 def sample(logits: torch.Tensor, params: Sequence[SamplingParams], seeds: Sequence[int],
@@ -152,13 +199,31 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams], seeds: Sequen
     if banned_ids is not None and any(banned_ids):
         logits = _ban(logits, banned_ids)
     is_greedy, scaled, processed, modes = _process(logits, params, uniform)
-    processed_lp = torch.log_softmax(processed, dim=-1)
+    kept = processed if isinstance(processed, Candidates) else None
+    kept_lp = None if kept is None else torch.log_softmax(kept.logits, dim=-1)
+    processed_lp = None
+    if kept is None and (not all(is_greedy) or "processed" in modes or processed is scaled):
+        processed_lp = torch.log_softmax(processed, dim=-1)
     if all(is_greedy):
         next_ids = torch.argmax(logits, dim=-1)
     else:
-        next_ids = inverse_cdf(processed_lp, to_device(counter_uniform(seeds, positions), dev))
-        if any(is_greedy):
-            next_ids = torch.where(to_device(torch.tensor(is_greedy), dev), torch.argmax(logits, dim=-1), next_ids)
+        # NOTE: the inverse CDF (float64, over the row) runs on the sampled rows only, and for rows
+        # cut to a few candidates over those alone
+        rows = None if not any(is_greedy) else [i for i, g in enumerate(is_greedy) if not g]
+        u = to_device(counter_uniform(seeds if rows is None else [seeds[i] for i in rows],
+                                      positions if rows is None else [positions[i] for i in rows]), dev)
+        pick = None if rows is None else to_device(torch.tensor(rows, dtype=torch.int64), dev)
+        if kept is not None:
+            lp, ids = (kept_lp, kept.ids) if pick is None else (kept_lp[pick], kept.ids[pick])
+            drawn = ids.gather(1, inverse_cdf(lp, u)[:, None]).squeeze(1)
+        else:
+            drawn = inverse_cdf(processed_lp if pick is None else processed_lp[pick], u)
+        if pick is None:
+            next_ids = drawn
+        else:
+            next_ids = torch.argmax(logits, dim=-1).index_copy_(0, pick, drawn)
+    if kept is not None and "processed" in modes:
+        processed_lp = kept.dense(vocab, kept_lp)
     per_mode = {}
     if "raw" in modes:
         per_mode["raw"] = torch.log_softmax(logits, dim=-1)
