@@ -96,3 +96,15 @@ def test_greedy_rows_beside_sampled_ones_are_not_sampled_and_do_not_move_the_oth
     alone = sample(logits[[0, 2, 5]], [sampled] * 3, [0, 2, 5], [4] * 3, [[]] * 3, None, [0] * 3).next_ids
     assert torch.equal(out[[1, 3, 4]], logits[[1, 3, 4]].argmax(-1))
     assert torch.equal(out[[0, 2, 5]], alone)
+
+
+def test_greedy_rows_beside_cut_rows_keep_their_untruncated_processed_logprobs():
+    torch.manual_seed(3)
+    logits = torch.randn(4, 8000) * 3
+    cut, greedy = (SamplingParams(temperature=1.0, top_k=10, logprob_mode="processed"),
+                   SamplingParams(temperature=0.0, logprob_mode="processed"))
+    out = sample(logits, [cut, greedy, cut, greedy], list(range(4)), [9] * 4, [[]] * 4, None, [3] * 4)
+    want = torch.log_softmax(logits[[1, 3]], -1)
+    assert torch.equal(out.next_ids[[1, 3]], logits[[1, 3]].argmax(-1))
+    assert torch.allclose(out.top_logprobs[[1, 3]], torch.topk(want, 3, -1).values)
+    assert bool(torch.isfinite(out.top_logprobs[[0, 2]]).all())

@@ -180,7 +180,11 @@ def _process(logits: torch.Tensor, params: Sequence[SamplingParams],
                                    dtype=torch.float32), dev)
     min_p = to_device(torch.tensor([p.min_p if t else 0.0 for p, t in zip(params, needs_trunc)],
                                    dtype=torch.float32), dev)
-    kept = candidates(scaled, ks, top_k, top_p, min_p) if all(needs_trunc) else None
+    kept = None
+    if all(t or g for t, g in zip(needs_trunc, is_greedy)):
+        # NOTE: a greedy row (argmax, no draw) takes its 1 best as candidates: it sets no width
+        ks = [1 if g else k for k, g in zip(ks, is_greedy)]
+        kept = candidates(scaled, ks, to_device(torch.tensor(ks, dtype=torch.int64), dev), top_p, min_p)
     return is_greedy, scaled, kept if kept is not None else _truncate(scaled, top_k, top_p, min_p), modes
 
 
@@ -224,6 +228,9 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams], seeds: Sequen
             next_ids = torch.argmax(logits, dim=-1).index_copy_(0, pick, drawn)
     if kept is not None and "processed" in modes:
         processed_lp = kept.dense(vocab, kept_lp)
+        if any(is_greedy):   # NOTE: a greedy row's processed distribution is its untruncated one
+            greedy = to_device(torch.tensor([i for i, g in enumerate(is_greedy) if g], dtype=torch.int64), dev)
+            processed_lp[greedy] = torch.log_softmax(scaled[greedy], dim=-1)
     per_mode = {}
     if "raw" in modes:
         per_mode["raw"] = torch.log_softmax(logits, dim=-1)
