@@ -1,6 +1,7 @@
 """The real sglang-router (PyPI sglang-router, its Rust binary) in front of two real rollout-serves:
-registration, /get_load polling, routed generations through the router on /generate and
-/v1/completions (routing rows checked against transformers' router top-k), a worker removed and
+registration, /get_load polling, routed generations through the router on /generate,
+/v1/completions and /v1/chat/completions (routing rows checked against transformers' router top-k,
+given by the workers' --default-return-routed-experts where the router drops the field), a worker removed and
 added again, and RolloutClient(router_url=...) fanning pause / continue / abort / flush / weight
 pushes out to every worker the router lists."""
 import asyncio
@@ -111,6 +112,20 @@ def test_routed_generations_through_the_router(fleet):
     assert r.status_code == 200, r.text
     choice = r.json()["choices"][0]
     check_rows(r.json()["sglext"]["routed_experts"], choice["prompt_token_ids"] + choice["token_ids"])
+    # NOTE: the router rebuilds chat bodies and drops return_routed_experts (and return_token_ids): the
+    # workers' default gives routing; the tokens come from the same greedy request sent to a worker
+    for path, body in (("/v1/chat/completions", {"messages": [{"role": "user", "content": "12+7?"}]}),
+                       ("/v1/completions", {"prompt": "Q: 3+4= A:"})):
+        body = {"model": "tiny-moe", "max_tokens": 4, "temperature": 0, "ignore_eos": True, **body}
+        r = httpx.post(router + path, json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        direct = httpx.post(fleet["servers"][0] + path, json={**body, "return_token_ids": True}, timeout=120).json()
+        choice = direct["choices"][0]
+        assert r.json()["sglext"]["routed_experts"] == direct["sglext"]["routed_experts"]
+        check_rows(r.json()["sglext"]["routed_experts"], choice["prompt_token_ids"] + choice["token_ids"])
+    r = httpx.post(router + "/v1/completions", json={"model": "tiny-moe", "prompt": "Q: 3+4= A:", "max_tokens": 2,
+                                                     "return_routed_experts": False}, timeout=120)
+    assert r.status_code == 200 and "sglext" not in r.json(), r.text
 
 
 def test_worker_removed_and_added(fleet):

@@ -113,7 +113,8 @@ def create_app(engine: Rollout, server_args: ServerArgs, *, url: str = "") -> Fa
     add_generate_routes(app, engine=engine, args=args, metrics=metrics, ignored=ignored, blocking=blocking,
                         shutdown=shutdown)
     add_openai_routes(app, OpenAIServing(engine, args.model_name, metrics,
-                                         incremental_streaming=args.incremental_streaming_output, shutdown=shutdown))
+                                         incremental_streaming=args.incremental_streaming_output, shutdown=shutdown,
+                                         routing_default=args.default_return_routed_experts))
     add_control_routes(app, engine=engine, args=args, updater=updater, blocking=blocking, weight_pool=weight_pool,
                        ignored=ignored)
     add_weight_session_routes(app, WeightSession(), ignored)

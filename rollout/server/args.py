@@ -100,11 +100,12 @@ class ServerArgs:
     allow_pickled_weight_tensors: bool = field(default=False, metadata=flag(
         help="let /update_weights_from_tensor load SGLang's pickled serialized_named_tensors (runs code from the "
              "request: only for a trusted, colocated trainer; needs the admin key when keys are set)"))
-    # NOTE: for fleets behind sglang-router, which rebuilds /generate bodies from its own schema and
-    # drops return_routed_experts: /generate requests that do not say return routing
+    # NOTE: for fleets behind sglang-router, which rebuilds /generate and chat bodies from its own
+    # schemas and drops return_routed_experts: requests that do not say return routing
     default_return_routed_experts: bool = field(default=False, metadata=flag(
-        help="/generate returns routed experts unless a request sends return_routed_experts: false (for fleets "
-             "behind sglang-router, which drops the field; needs --enable-return-routed-experts)"))
+        help="/generate, /v1/completions and /v1/chat/completions return routed experts unless a request sends "
+             "return_routed_experts: false (for fleets behind sglang-router, which drops the field; needs "
+             "--enable-return-routed-experts)"))
 
     def __post_init__(self) -> None:
         if not isinstance(self.engine, EngineConfig):

@@ -46,8 +46,9 @@ def _get(body: dict, name: str, types: tuple, default: Any = None) -> Any:
 
 class OpenAIServing:
     def __init__(self, engine: Any, model_name: str, metrics: Any, *, incremental_streaming: bool = False,
-                 shutdown: Any = None):
+                 shutdown: Any = None, routing_default: bool = False):
         self.engine = engine
+        self.routing_default = routing_default   # --default-return-routed-experts: routing unless a body says false
         self.shutdown = shutdown   # ShutdownState (the error event of streams the shutdown aborted)
         self.incremental_streaming = incremental_streaming
         self.model_name = model_name
@@ -84,7 +85,7 @@ class OpenAIServing:
             if body.get(name) is not None:
                 params[name] = body[name]
         rid = body.get("rid")
-        kwargs = {"return_routed_experts": _get(body, "return_routed_experts", (bool,), False),
+        kwargs = {"return_routed_experts": _get(body, "return_routed_experts", (bool,), self.routing_default),
                   "routed_experts_start_len": _get(body, "routed_experts_start_len", (int,), 0), "rid": rid}
         return params, kwargs
 
