@@ -101,6 +101,9 @@ class RolloutOutput:
     output_top_logprobs: Optional[list[list[tuple[float, int]]]] = None
     cached_tokens: int = 0
     weight_version: str = "default"
+    # [[version, first output index], ...]: which weight version sampled which output tokens (one
+    # entry unless the request lived across a weight update: paused in place or retracted, resumed)
+    weight_versions: list = field(default_factory=list)
     routed_experts: Optional[torch.Tensor] = None     # [rows, num_hidden_layers, top_k] int32, -1 = dense
     routed_experts_start_len: int = 0
     num_experts: int = 0                              # for the compact wire format's dtype
@@ -126,6 +129,7 @@ class RolloutOutput:
         entry = token_entry or _plain_entry
         meta = progress_meta(self.rid, self.prompt_tokens, self.completion_tokens, self.weight_version,
                              dict(self.finish_info), self.cached_tokens)
+        meta["weight_versions"] = [list(e) for e in self.weight_versions]
         if self.output_logprobs is not None:
             meta["output_token_logprobs"] = [entry(lp, tid) for lp, tid in zip(self.output_logprobs, self.output_ids)]
         if self.output_top_logprobs is not None:

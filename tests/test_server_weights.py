@@ -229,7 +229,7 @@ def test_update_in_flight_semantics(client, admin, dirs, expected):
     final = box[-2]["meta_info"]
     # finished whole, and on the old weights (an output's weight_version is read when it finishes)
     assert final["finish_reason"]["type"] == "length" and final["weight_version"] == "v-a"
-    assert final["completion_tokens"] == 400
+    assert final["completion_tokens"] == 400 and final["weight_versions"] == [["v-a", 0]]
     check_serving(client, dirs, expected, "b", "v-b")
     # 2. abort_all_requests: the running request ends as aborted, with its partial output
     box, started = [], threading.Event()
@@ -257,6 +257,9 @@ def test_update_in_flight_semantics(client, admin, dirs, expected):
     final = box[-2]["meta_info"]
     assert final["finish_reason"]["type"] == "length" and final["weight_version"] == "v-mid"
     assert final["completion_tokens"] == 480
+    # which tokens each version sampled: the old one from 0, the new one from where the pause cut in
+    (old, first), (new, cut) = final["weight_versions"]
+    assert (old, first, new) == ("v-a", 0, "v-mid") and 0 < cut < 480, final["weight_versions"]
     # 4. pause(in_place) -> update: the running request is retracted (its KV came from the old
     #    weights), then resumes on the new ones after continue
     box, started = [], threading.Event()
@@ -271,6 +274,7 @@ def test_update_in_flight_semantics(client, admin, dirs, expected):
     t.join(60)
     final = box[-2]["meta_info"]
     assert final["finish_reason"]["type"] == "length" and final["weight_version"] == "v-a2"
+    assert [v for v, _ in final["weight_versions"]] == ["v-mid", "v-a2"] and final["weight_versions"][1][1] > 0
     wait_idle(admin)
     assert admin.post("/flush_cache").status_code == 200
     state = admin.get("/debug/integrity").json()

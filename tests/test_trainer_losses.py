@@ -271,3 +271,13 @@ def test_metrics_hand_computed():
     assert set(m) == {"train_rollout_logprob_abs_diff", "train_rollout_logprob_max_abs_diff", "k3_kl", "f_tau2",
                       "routing_mismatch_rate", "reward_mean", "response_length_mean"}
     assert m["train_rollout_logprob_max_abs_diff"] == pytest.approx(max(diffs))  # masked-out log 5 not counted
+
+
+def test_version_mask_marks_the_tokens_each_weight_version_sampled():
+    s = Sample(prompt_ids=[1, 2], response_ids=[3, 4, 5, 6, 7], weight_version="v2",
+               weight_versions=[["v1", 0], ["v2", 3]])
+    assert s.version_mask("v2").tolist() == [0, 0, 0, 1, 1]
+    assert s.version_mask("v1").tolist() == [1, 1, 1, 0, 0]
+    assert s.version_mask("v3").tolist() == [0] * 5
+    # NOTE: a server without per-token versions: the whole response is weight_version's
+    assert Sample(prompt_ids=[1], response_ids=[3, 4], weight_version=7).version_mask("7").tolist() == [1, 1]

@@ -33,6 +33,9 @@ class Sample:
     rollout_logprobs: Any = None  # per response token
     routed_experts: Any = None  # [T - 1, num_layers, top_k]
     weight_version: Any = None
+    # [[version, first response index], ...]: which weight version sampled which response tokens
+    # (meta_info.weight_versions; more than one entry when the request lived across an update)
+    weight_versions: Any = None
     reward: Optional[float] = None
     group_id: Any = None
     rid: Optional[str] = None
@@ -53,6 +56,20 @@ class Sample:
             if r.dtype.is_floating_point or r.dtype == torch.bool:
                 raise ValueError(f"sample {self.rid!r}: routed_experts must be integer, got {r.dtype}")
             self.routed_experts = r.to(torch.int32)
+
+    def version_mask(self, version: Any) -> torch.Tensor:
+        """[response length] float32: 1 where `version` sampled the token, 0 where another one did.
+        Without weight_versions the whole response counts as sampled by weight_version."""
+        n = len(self.response_ids)
+        entries = self.weight_versions
+        if not entries:
+            entries = [[self.weight_version, 0]]
+        mask = torch.zeros(n, dtype=torch.float32)
+        for j, (v, first) in enumerate(entries):
+            end = entries[j + 1][1] if j + 1 < len(entries) else n
+            if str(v) == str(version):
+                mask[int(first):int(end)] = 1.0
+        return mask
 
     @property
     def num_tokens(self) -> int:

@@ -284,9 +284,16 @@ async def _run(config: TrainConfig, hooks: Hooks, servers: Optional[LocalServers
                     group_ids=[f"{step}-{i}" for i in range(len(prompts))], seed=config.seed * 100_003 + step,
                     rid_prefix=f"s{step}-", metas=[{"record": r} for r in records], on_sample=on_sample)
                 rec["rollout_s"] = time.perf_counter() - t0
-                stale = sorted({str(s.weight_version) for s in samples} - {str(version)})
-                if stale:
-                    raise RuntimeError(f"step {step}: rollouts carry weight_version {stale}, expected {version!r}")
+                current = [s.version_mask(version) for s in samples]
+                stale = sum(int(len(m) - m.sum()) for m in current)
+                if stale and config.stale_tokens == "error":
+                    versions = sorted({str(v) for s in samples for v, _ in (s.weight_versions or [[s.weight_version, 0]])}
+                                      - {str(version)})
+                    raise RuntimeError(f"step {step}: {stale} response tokens were sampled by weight_version "
+                                       f"{versions}, expected {version!r} (stale_tokens: mask leaves them out)")
+                for s, m in zip(samples, current):
+                    s.loss_mask = s.loss_mask * m
+                rec["stale_tokens"] = stale
                 rec["weight_version"] = str(version)
                 for s in samples:
                     s.reward = float(reward_fn(decode(s.response_ids.tolist()), s.meta["record"]))

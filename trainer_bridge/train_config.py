@@ -98,6 +98,9 @@ class TrainConfig:
                             "then /update_weights_from_disk), tensor (safetensors over HTTP) or distributed "
                             "(a torch.distributed broadcast)")
     sync_dir: Optional[str] = _key(None, help="disk sync: a directory the servers can read (null: run_dir/weights)")
+    stale_tokens: str = _key("error", help="response tokens sampled by another weight version than the step's "
+                             "(a request that lived across an update; meta_info.weight_versions): error stops the "
+                             "run, mask leaves them out of the loss (loss_mask 0)")
     # ---- run
     seed: int = _key(0, help="seed of the data order, the rollouts and the trainer")
     run_dir: str = _key("runs/tiny", help="the run's directory: config.json, metrics.jsonl, summary.json, "
@@ -131,6 +134,7 @@ class TrainConfig:
         rng("zero_stage", 0, 2, integer=True)
         rng("seed", 0, integer=True)
         choice("weight_sync", SYNC_MODES)
+        choice("stale_tokens", ("error", "mask"))
         choice("routing_format", ROUTING_FORMATS)
         choice("server_dtype", SERVER_DTYPES)
         choice("train_dtype", TRAIN_DTYPES)

@@ -100,6 +100,7 @@ class OutputProcessor:
     def _append(self, reqs: list[Req], next_ids: list, logprobs: list, finite: list, *top: list) -> None:
         """Appends each request's sampled token; finishes it, or sends its stream delta when due."""
         eos = self._eos_set
+        version = self.weight_version
         now = time.time()
         firsts: list[float] = []
         gaps: list[float] = []
@@ -114,6 +115,9 @@ class OutputProcessor:
             tok = next_ids[j]
             out_ids = req.output_ids
             out_ids.append(tok)
+            versions = req.weight_versions
+            if not versions or versions[-1][0] != version:   # NOTE: a request that lives across a weight update
+                versions.append((version, len(out_ids) - 1))
             if req.last_token_time:
                 gaps.append(now - req.last_token_time)
             elif req.arrival_time:
@@ -219,6 +223,9 @@ class OutputProcessor:
             upd.routing_start = start
             req.sent_routing_rows = hi
         req.sent_tokens = len(req.output_ids)
+        if len(req.weight_versions) > req.sent_weight_versions:
+            upd.weight_versions = [[v, i] for v, i in req.weight_versions[req.sent_weight_versions:]]
+            req.sent_weight_versions = len(req.weight_versions)
         if (req.prompt_logprob_start >= 0 and not req.sent_input_logprobs
                 and (reason is not None or not req.needs_prompt_logprobs)):
             req.sent_input_logprobs = True   # NOTE: once complete (the front end may stop the request early)

@@ -69,6 +69,9 @@ class Req:
     saved_routing: Optional[torch.Tensor] = None  # [n, L, K] rows for positions start.. saved at retraction
     sent_tokens: int = 0                 # update cursors: what earlier updates carried
     sent_routing_rows: int = 0
+    sent_weight_versions: int = 0
+    # (weight_version, index of the first output token it sampled), one entry per version change
+    weight_versions: list[tuple[str, int]] = field(default_factory=list)
     input_logprobs: list[float] = field(default_factory=list)   # of prompt tokens start+1 .. len-1
     input_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
     sent_input_logprobs: bool = False    # an update carried the prompt logprobs

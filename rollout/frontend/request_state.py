@@ -61,6 +61,7 @@ class RequestState:
         self.top: list[list[tuple[float, int]]] = []
         self.rows: list[np.ndarray] = []       # routing parts, [n, L, K] each
         self.num_rows = 0
+        self.weight_versions: list[list] = []   # [[version, first output index], ...]
         self.routed = False    # whether the engine sent routing (not for an abort before any KV was computed)
         self.input_lp: dict[str, Any] = {}   # prompt logprobs, once the engine sent them
         self.sent_tokens = 0
@@ -95,6 +96,8 @@ class RequestState:
                 self.num_rows += part.shape[0]
         if upd.input_logprobs is not None:
             self.input_lp = self._input_logprobs(upd)
+        if upd.weight_versions:
+            self.weight_versions.extend(upd.weight_versions)
         hit: Optional[str] = None
         for i, tok in enumerate(new_ids):
             self.output_ids.append(tok)
@@ -171,6 +174,8 @@ class RequestState:
             output_logprobs=list(self.logprobs) if self.return_logprob else None,
             output_top_logprobs=list(self.top) if self.top_logprobs_num else None,
             cached_tokens=upd.cached_tokens, weight_version=upd.weight_version,
+            # NOTE: a stop string may have cut tokens a later version sampled
+            weight_versions=[[v, i] for v, i in self.weight_versions if i < len(self.output_ids)],
             routed_experts=self._routing_tensor(0), routed_experts_start_len=self.start_len,
             num_experts=self.routing.num_experts if self.routing else 0,
             moe_layer_ids=self.routing.moe_layer_ids if self.routing else (), num_retractions=upd.num_retractions,

@@ -76,6 +76,7 @@ class ReqUpdate(msgspec.Struct, kw_only=True, array_like=True, omit_defaults=Tru
     input_logprobs: Optional[bytes] = None      # float32, prompt tokens start+1 .. (final update only)
     input_top_ids: Optional[bytes] = None       # int32 [prompt tokens, top_n]
     input_top_logprobs: Optional[bytes] = None  # float32 [prompt tokens, top_n]
+    weight_versions: Optional[list] = None      # [[version, first output index], ...] new since the last update
 
 
 class Reply(msgspec.Struct, kw_only=True, array_like=True, omit_defaults=True):

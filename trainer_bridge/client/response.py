@@ -73,6 +73,7 @@ def to_sample(req: Request, out: dict, url: str, *, info: ModelInfo, aborted: se
             raise SampleError(f"{who}: routed_experts_start_len {start}, expected 0")
     sample = Sample(prompt_ids=req.input_ids, response_ids=output_ids, rollout_logprobs=lps,
                     routed_experts=routed, weight_version=meta.get("weight_version"),
+                    weight_versions=meta.get("weight_versions"),
                     group_id=req.group_id, rid=req.rid,
                     meta={**req.meta, "finish_reason": finish_type, "server": url, "attempts": attempts,
                           "latency_s": latency, "wire_bytes": nbytes, "routing_bytes": routing_bytes,
