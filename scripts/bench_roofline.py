@@ -11,7 +11,9 @@ every weight outside the experts (attention, norms, routers, embeddings and lm_h
 counts all of them), the experts its B tokens are routed to (E(1 - (1 - k/E)^B) per layer on
 average under uniform routing: 4 of 32 at B = 1, all 32 at B = 64) and its KV (B x context x
 layers x 2 x kv heads x head dim x 4 bytes). The bound is the larger of those bytes over the
-bandwidth and the step's FLOPs (2 per active parameter per token) over the matmul rate. Step times
+bandwidth and the step's FLOPs (2 per active parameter per token) over the matmul rate; beside it the
+same bytes at the rate torch's one-row matmul streams weights larger than the caches (a batch-1
+step's projections are such matmuls, and their kernel, not the memory, sets that rate). Step times
 come from ``midsize_moe.decode_step_s`` (two runs of 8 and 40 new tokens, the difference per step),
 each run in a fresh process, engine and transformers alternating.
 """
@@ -42,6 +44,24 @@ def copy_bandwidth(threads: int, mib: int = 256, repeats: int = 10) -> float:
         dst.copy_(src)
         best = min(best, time.perf_counter() - t0)
     return 2 * src.numel() * 4 / best
+
+
+def row_matmul_bandwidth(threads: int, mib: int = 512) -> float:
+    """Weight bytes per second that a one-row matmul (F.linear of [1, 768] over [768, 768]
+    weights, the shape of a batch-1 decode's projections) streams, over a pool of weights larger
+    than the caches: what torch's CPU kernels make of the bandwidth at batch 1."""
+    import torch
+    import torch.nn.functional as F
+
+    torch.set_num_threads(threads)
+    pool = torch.rand(mib * 2**20 // (4 * 768 * 768), 768, 768)
+    x = torch.rand(1, 768)
+    for w in pool[:8]:
+        F.linear(x, w)
+    t0 = time.perf_counter()
+    for w in pool:
+        F.linear(x, w)
+    return pool.numel() * 4 / (time.perf_counter() - t0)
 
 
 def matmul_flops(threads: int, n: int = 2048, repeats: int = 5) -> float:
@@ -81,7 +101,9 @@ def main(argv=None) -> int:
     path = midsize_moe.build("roofline")
     size = midsize_moe.parameter_bytes(path)
     bw, flops = copy_bandwidth(args.threads), matmul_flops(args.threads)
-    print(f"host ({args.threads} threads): copy {bw / 1e9:.1f} GB/s, float32 matmul {flops / 1e9:.0f} GFLOP/s; "
+    row_bw = row_matmul_bandwidth(args.threads)
+    print(f"host ({args.threads} threads): copy {bw / 1e9:.1f} GB/s, one-row matmul streams {row_bw / 1e9:.1f} GB/s, "
+          f"float32 matmul {flops / 1e9:.0f} GFLOP/s; "
           f"checkpoint {path}: {size['total'] / 2**30:.2f} GiB ({size['experts'] / 2**30:.2f} GiB experts)", flush=True)
     rows = []
     for b in args.batches:
@@ -89,7 +111,8 @@ def main(argv=None) -> int:
         nbytes, nflops = step_bytes_and_flops(size, b, context)
         bound = max(nbytes / bw, nflops / flops)
         row = {"batch": b, "context": context, "bytes": nbytes, "flops": nflops, "bound_ms": 1e3 * bound,
-               "memory_bound": nbytes / bw >= nflops / flops}
+               "memory_bound": nbytes / bw >= nflops / flops,
+               "row_matmul_bound_ms": 1e3 * max(nbytes / row_bw, nflops / flops)}
         for kind in ("engine", "hf"):
             step = midsize_moe.decode_step_s(kind, str(path), b, args.prompt, args.threads)
             row[f"{kind}_ms"] = 1e3 * step
@@ -97,16 +120,17 @@ def main(argv=None) -> int:
         rows.append(row)
         print(f"  batch {b}: bound {row['bound_ms']:.2f} ms; engine {row['engine_ms']:.2f} ms "
               f"({row['engine_x_bound']:.2f}x), transformers {row['hf_ms']:.2f} ms ({row['hf_x_bound']:.2f}x)", flush=True)
-    print("\n| batch | bytes per step (MB) | bound (ms) | engine step (ms) | engine / bound | transformers step (ms) | "
-          "transformers / bound |")
-    print("|---:|---:|---:|---:|---:|---:|---:|")
+    print("\n| batch | bytes per step (MB) | bound (ms) | bound at the one-row matmul's rate (ms) | engine step (ms) | "
+          "engine / bound | transformers step (ms) | transformers / bound |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         kind = "memory" if r["memory_bound"] else "compute"
-        print(f"| {r['batch']} | {r['bytes'] / 1e6:.0f} | {r['bound_ms']:.2f} ({kind}) | {r['engine_ms']:.2f} | "
-              f"**{r['engine_x_bound']:.2f}x** | {r['hf_ms']:.2f} | {r['hf_x_bound']:.2f}x |")
+        print(f"| {r['batch']} | {r['bytes'] / 1e6:.0f} | {r['bound_ms']:.2f} ({kind}) | {r['row_matmul_bound_ms']:.2f} | "
+              f"{r['engine_ms']:.2f} | **{r['engine_x_bound']:.2f}x** | {r['hf_ms']:.2f} | {r['hf_x_bound']:.2f}x |")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"threads": args.threads, "copy_bytes_per_s": bw, "matmul_flops_per_s": flops,
+            json.dump({"threads": args.threads, "copy_bytes_per_s": bw, "row_matmul_bytes_per_s": row_bw,
+                       "matmul_flops_per_s": flops,
                        "checkpoint_bytes": size["total"], "rows": rows}, f, indent=1)
     return 0
 
