@@ -57,13 +57,16 @@ class Sample:
                 raise ValueError(f"sample {self.rid!r}: routed_experts must be integer, got {r.dtype}")
             self.routed_experts = r.to(torch.int32)
 
+    @property
+    def version_spans(self) -> list:
+        """[[version, first response index], ...]; without weight_versions the whole response is
+        weight_version's."""
+        return self.weight_versions or [[self.weight_version, 0]]
+
     def version_mask(self, version: Any) -> torch.Tensor:
-        """[response length] float32: 1 where `version` sampled the token, 0 where another one did.
-        Without weight_versions the whole response counts as sampled by weight_version."""
+        """[response length] float32: 1 where `version` sampled the token, 0 where another one did."""
         n = len(self.response_ids)
-        entries = self.weight_versions
-        if not entries:
-            entries = [[self.weight_version, 0]]
+        entries = self.version_spans
         mask = torch.zeros(n, dtype=torch.float32)
         for j, (v, first) in enumerate(entries):
             end = entries[j + 1][1] if j + 1 < len(entries) else n

@@ -287,8 +287,7 @@ async def _run(config: TrainConfig, hooks: Hooks, servers: Optional[LocalServers
                 current = [s.version_mask(version) for s in samples]
                 stale = sum(int(len(m) - m.sum()) for m in current)
                 if stale and config.stale_tokens == "error":
-                    versions = sorted({str(v) for s in samples for v, _ in (s.weight_versions or [[s.weight_version, 0]])}
-                                      - {str(version)})
+                    versions = sorted({str(v) for s in samples for v, _ in s.version_spans} - {str(version)})
                     raise RuntimeError(f"step {step}: {stale} response tokens were sampled by weight_version "
                                        f"{versions}, expected {version!r} (stale_tokens: mask leaves them out)")
                 for s, m in zip(samples, current):

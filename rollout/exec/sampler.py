@@ -206,7 +206,9 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams], seeds: Sequen
     kept = processed if isinstance(processed, Candidates) else None
     kept_lp = None if kept is None else torch.log_softmax(kept.logits, dim=-1)
     processed_lp = None
-    if kept is None and (not all(is_greedy) or "processed" in modes or processed is scaled):
+    # NOTE: the dense processed distribution only where it is drawn from or returned (an all-greedy
+    # batch in "raw" mode needs none)
+    if kept is None and (not all(is_greedy) or "processed" in modes or ("scaled" in modes and processed is scaled)):
         processed_lp = torch.log_softmax(processed, dim=-1)
     if all(is_greedy):
         next_ids = torch.argmax(logits, dim=-1)
