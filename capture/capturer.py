@@ -164,9 +164,11 @@ class RoutedExpertsCapturer:
                     "= %d bytes (%s)", self.buffer.rows, self.buffer.nbytes, num_slots, self.store.bytes_per_slot,
                     self.store.nbytes, self.store.dtype)
 
-    def commit(self, layout: GatherLayout, out_cache_loc: torch.Tensor) -> None:
+    def commit(self, layout: GatherLayout, out_cache_loc: torch.Tensor, keep: Optional[list[int]] = None) -> None:
         """Starts copying this rank's rows of the forward just run to the host; they land at the
         KV slots of its tokens (out_cache_loc, host) when read (rows) or at the next commit.
+        keep: only these of the rank's rows (a verify step's kept positions; the rows of rejected
+        drafts never reach the store); None: all.
 
         NOTE: on CUDA a non_blocking copy into pinned memory with an event: the step's host work
         (sampling's one read of the results, which follows the copy on the stream) never waits
@@ -174,8 +176,14 @@ class RoutedExpertsCapturer:
         self.flush()
         start, stop = layout.rank_rows(self.dp_rank)
         assert stop - start == out_cache_loc.numel(), (layout, out_cache_loc.numel())
-        if stop > start:
+        if keep is not None:
+            index = torch.tensor(keep, dtype=torch.int64)
+            out_cache_loc = out_cache_loc[index]
+            rows = self.buffer.rows_view(start, stop).index_select(0, index.to(self.buffer.buffer.device))
+            start, stop = 0, len(keep)
+        else:
             rows = self.buffer.rows_view(start, stop)                           # [n, num_layers, top_k] int32
+        if stop > start:
             host = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=rows.is_cuda)
             host.copy_(rows, non_blocking=True)
             event = None

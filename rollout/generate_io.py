@@ -112,6 +112,12 @@ class RolloutOutput:
     input_logprobs: Optional[list[float]] = None      # prompt tokens logprob_start_len+1 .. (logprob_start_len >= 0)
     input_top_logprobs: Optional[list[list[tuple[float, int]]]] = None
     e2e_latency: float = field(default=0.0, compare=False)   # seconds from the call's arrival to this output
+    # speculative decoding (SGLang's meta_info counters; never part of an output's equality: the
+    # tokens, logprobs and routing are those without speculation): decode (verify) steps taken,
+    # drafts proposed, drafts kept
+    spec_verify_ct: int = field(default=0, compare=False)
+    spec_num_proposed_drafts: int = field(default=0, compare=False)
+    spec_num_correct_drafts: int = field(default=0, compare=False)
 
     @property
     def prompt_tokens(self) -> int:
@@ -130,6 +136,13 @@ class RolloutOutput:
         meta = progress_meta(self.rid, self.prompt_tokens, self.completion_tokens, self.weight_version,
                              dict(self.finish_info), self.cached_tokens)
         meta["weight_versions"] = [list(e) for e in self.weight_versions]
+        if self.spec_verify_ct:
+            meta.update(spec_verify_ct=self.spec_verify_ct,
+                        spec_accept_length=self.completion_tokens / self.spec_verify_ct,
+                        spec_accept_rate=(self.spec_num_correct_drafts / self.spec_num_proposed_drafts
+                                          if self.spec_num_proposed_drafts else 0.0),
+                        spec_num_correct_drafts=self.spec_num_correct_drafts,
+                        spec_num_proposed_drafts=self.spec_num_proposed_drafts)
         if self.output_logprobs is not None:
             meta["output_token_logprobs"] = [entry(lp, tid) for lp, tid in zip(self.output_logprobs, self.output_ids)]
         if self.output_top_logprobs is not None:

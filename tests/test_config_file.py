@@ -158,6 +158,13 @@ ENGINE_FLAGS_BEFORE = {
     "--enable-deterministic-inference": (False, 0, None, None),
     "--allow-auto-truncate": (False, 0, None, None),
     "--weight-update-bucket-bytes": (512 * 2**20, None, int, None),
+    "--speculative-algorithm": (None, None, None, None),
+    "--speculative-num-draft-tokens": (None, None, int, None),
+    "--speculative-num-steps": (None, None, int, None),
+    "--speculative-eagle-topk": (None, None, int, None),
+    "--speculative-draft-model-path": (None, None, None, None),
+    "--speculative-ngram-min-match-window-size": (1, None, int, None),
+    "--speculative-ngram-max-match-window-size": (12, None, int, None),
 }
 # SGLang's spellings of the same settings
 ENGINE_ALIASES = {"--disable-prefix-caching": ["--disable-radix-cache"], "--dp-size": ["--data-parallel-size"],

@@ -31,6 +31,20 @@ class ScheduledBatch:
     kv_indices: torch.Tensor         # [B, max(prefix+extend)] int64 KV slots by position (stale past each length), on the device
     # decode: (P, batch rows) of requests whose slots for positions 0 .. P-1 are the same (DecodeCascade)
     prefix_groups: tuple = ()
+    # speculative decoding: each request's draft tokens (a list, maybe empty), fed after its last
+    # token in this decode (verify) step, every one of those positions giving logits; () = a
+    # plain decode step (speculation off)
+    drafts: tuple = ()
+
+    @property
+    def logit_lens(self) -> Optional[list[int]]:
+        """Logits rows per request (its last new tokens'): None = one each; a verify step's
+        requests have one per token fed (the last token and each draft)."""
+        return list(self.extend_lens) if self.drafts else None
+
+    @property
+    def num_logit_rows(self) -> int:
+        return sum(self.extend_lens) if self.drafts else len(self.reqs)
 
     @property
     def num_tokens(self) -> int:
@@ -215,11 +229,14 @@ class ForwardBatch:
     def build(*, input_ids: list[int], out_cache_loc: torch.Tensor, prefix_lens: list[int],
               extend_lens: list[int], kv_indices: torch.Tensor, kv_pool: KVPool,
               capture: Optional[Any] = None, device: torch.device | str = "cpu",
-              segment_attention: bool = False, prefix_groups: Sequence = ()) -> "ForwardBatch":
+              segment_attention: bool = False, prefix_groups: Sequence = (),
+              logit_lens: Optional[Sequence[int]] = None) -> "ForwardBatch":
         """kv_indices [B, >= max seq_len]: request b's KV slots by position (cells past its
         length are never read unmasked). segment_attention: attend in AttentionSegments (runs of
         requests of similar shape; the scheduler orders batches by shape), or a decode batch with
-        prefix_groups (requests sharing the slots of a prefix) as a DecodeCascade."""
+        prefix_groups (requests sharing the slots of a prefix) as a DecodeCascade. logit_lens:
+        logits rows of the first len(logit_lens) requests' last new tokens (a verify step's); None:
+        one per request."""
         bsz = len(extend_lens)
         assert bsz == len(prefix_lens) and bsz > 0
         seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
@@ -241,6 +258,11 @@ class ForwardBatch:
             positions = pre[req_of_token] + idx_in_req
             q_pad_index = req_of_token * max_ext + idx_in_req
             logits_indices = starts + ext - 1
+            if logit_lens is not None:
+                m = torch.tensor(list(logit_lens) + [1] * (bsz - len(logit_lens)), dtype=torch.int64)
+                req_of_row = torch.repeat_interleave(torch.arange(bsz), m)
+                logits_indices = (starts + ext - m)[req_of_row] + torch.arange(int(m.sum())) - (
+                    torch.cumsum(m, 0) - m)[req_of_row]
         segments: tuple[AttentionSegment, ...] = ()
         cascade = None
         if segment_attention and max_ext == 1 and prefix_groups and DecodeCascade.available(dev):
@@ -283,6 +305,11 @@ class ForwardBatch:
             if batch.is_prefill:
                 for req, pre, ext in zip(batch.reqs, batch.prefix_lens, batch.extend_lens):
                     input_ids += req.token_span(pre, pre + ext)
+            elif batch.drafts:
+                # verify: each request's last token, then its drafts
+                for req, drafts in zip(batch.reqs, batch.drafts):
+                    input_ids.append((req.output_ids or req.prompt_ids)[-1])
+                    input_ids += drafts
             else:
                 # decode: each request's last token (a prompt's own last one after a chunked prefill)
                 input_ids = [(req.output_ids or req.prompt_ids)[-1] for req in batch.reqs]
@@ -314,12 +341,13 @@ class ForwardBatch:
         return ForwardBatch.build(input_ids=input_ids, out_cache_loc=locs[0] if len(locs) == 1 else torch.cat(locs),
                                   prefix_lens=prefix_lens, extend_lens=extend_lens, kv_indices=kv_indices,
                                   kv_pool=kv_pool, capture=capture, device=device, segment_attention=segment_attention,
-                                  prefix_groups=batch.prefix_groups if real == len(extend_lens) else ())
+                                  prefix_groups=batch.prefix_groups if real == len(extend_lens) else (),
+                                  logit_lens=batch.logit_lens if batch is not None else None)
 
 
 @dataclass(frozen=True)
 class ForwardOutput:
-    logits: torch.Tensor     # [B, vocab] fp32, one row per request (its last new token)
+    logits: torch.Tensor     # [B, vocab] fp32, one row per request (its last new token); a verify step: [N, vocab]
     layout: GatherLayout     # the executing runner's layout; capture reads only this
     token_logits: Optional[torch.Tensor] = None  # [N, vocab] fp32, every token's (prompt logprobs asked)
 

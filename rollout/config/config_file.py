@@ -23,7 +23,7 @@ from typing import Any, Optional
 
 import yaml
 
-from capture.buffer_sizing import ForwardShapeLimits, capture_buffer_rows
+from capture.buffer_sizing import capture_buffer_rows
 from capture.routing_shape import expert_count, moe_layer_ids
 from rollout.config.engine_cli import engine_flags
 from rollout.config.engine_config import DEFAULT_KV_CACHE_BYTES, EngineConfig
@@ -192,10 +192,7 @@ def implied_sizes(cf: EngineConfigFile) -> dict[str, Any]:
     capture_buffer_rows on the same ForwardShapeLimits EngineCore builds)."""
     cfg, shape = cf.config, model_shape_for(cf)
     context = cfg.context_length or shape.max_position_embeddings
-    limits = ForwardShapeLimits(dp_size=cfg.dp_size, max_running_requests=cfg.max_running_requests,
-                                chunked_prefill_tokens=cfg.chunked_prefill_size or context,
-                                decode_graph_batch_sizes=cfg.decode_graph_batch_sizes,
-                                prefill_graph_token_sizes=cfg.prefill_graph_token_sizes)
+    limits = cfg.shape_limits(context)
     rows = capture_buffer_rows(limits)
     from capture.codec import narrowest_dtype
     import torch

@@ -11,8 +11,10 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from capture.buffer_sizing import ForwardShapeLimits
 from rollout.config.backends import ATTENTION_BACKENDS, MOE_BACKENDS, QUANTIZATIONS, check_attention_backend, default_attention_backend
 from rollout.config.flag import flag
+from rollout.config.speculative import DEFAULT_NUM_DRAFT_TOKENS, check_speculative, num_draft_tokens
 from rollout.value_range import check_choice, check_range
 
 _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -148,6 +150,26 @@ class EngineConfig:
     enable_deterministic_inference: bool = field(default=False, metadata=flag(
         help="batch-invariant kernels: a request's tokens, logprobs and routing do not depend on the batch"))
 
+    # speculative decoding (rollout/config/speculative.py): a draft proposes tokens, one verify
+    # forward keeps those equal to the target's own samples, so outputs never change
+    speculative_algorithm: Optional[str] = field(default=None, metadata=flag(
+        help="NGRAM (drafts looked up in the prompt and output) or STANDALONE (a small draft checkpoint); "
+             "outputs equal those without it", default_text="off"))
+    speculative_num_draft_tokens: Optional[int] = field(default=None, metadata=flag(
+        type=int, help="verified positions per request and step: the drafts and the bonus token (SGLang's)",
+        default_text=f"{DEFAULT_NUM_DRAFT_TOKENS}, or --speculative-num-steps + 1"))
+    speculative_num_steps: Optional[int] = field(default=None, metadata=flag(
+        type=int, help="draft tokens per step (chain drafts: --speculative-num-draft-tokens - 1)",
+        default_text="--speculative-num-draft-tokens - 1"))
+    speculative_eagle_topk: Optional[int] = field(default=None, metadata=flag(
+        type=int, help="1 only: chain drafts (tree drafts are not supported)", default_text="1"))
+    speculative_draft_model_path: Optional[str] = field(default=None, metadata=flag(
+        help="STANDALONE: the draft checkpoint directory (same tokenizer as the target)", default_text="none"))
+    speculative_ngram_min_match_window_size: int = field(default=1, metadata=flag(
+        type=int, help="NGRAM: the shortest suffix of a request's tokens looked up in its prompt and output"))
+    speculative_ngram_max_match_window_size: int = field(default=12, metadata=flag(
+        type=int, help="NGRAM: the longest suffix looked up (the longest match wins, then the latest)"))
+
     def __post_init__(self) -> None:
         if not isinstance(self.model_path, str) or not self.model_path:
             raise ValueError(f"model_path must be a non-empty path, got {self.model_path!r}")
@@ -199,6 +221,9 @@ class EngineConfig:
                                  f"cpu_reserve must be 0, got {self.cpu_reserve}")
         if not isinstance(self.weight_version, str):
             raise ValueError(f"weight_version must be a string, got {self.weight_version!r}")
+        algo = check_speculative(self)
+        if algo is not None:
+            object.__setattr__(self, "speculative_algorithm", algo)
 
     def check_devices(self) -> None:
         """Raises ValueError when this machine lacks the GPUs the config asks for (DP rank r runs
@@ -265,6 +290,20 @@ class EngineConfig:
         if self.enable_deterministic_inference:
             return "torch"
         return default_attention_backend(self.device)
+
+    @property
+    def verify_tokens_per_request(self) -> int:
+        """Tokens a request feeds one decode step: 1, or with speculation its last token and drafts."""
+        return num_draft_tokens(self)
+
+    def shape_limits(self, context_length: int) -> ForwardShapeLimits:
+        """The largest forwards an engine of this config issues (they size the capture buffer and
+        build the runners: invariant 1); context_length: the engine's, resolved from the model."""
+        return ForwardShapeLimits(dp_size=self.dp_size, max_running_requests=self.max_running_requests,
+                                  chunked_prefill_tokens=self.chunked_prefill_size or context_length,
+                                  decode_graph_batch_sizes=self.decode_graph_batch_sizes,
+                                  prefill_graph_token_sizes=self.prefill_graph_token_sizes,
+                                  verify_tokens_per_request=self.verify_tokens_per_request)
 
     @property
     def resolved_tokenizer_path(self) -> str:

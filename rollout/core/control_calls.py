@@ -185,6 +185,7 @@ class ControlCalls:
                     running=len(sched.running), waiting=len(sched.waiting),
                     prefill_new_seqs=sched.num_admitted, prefill_new_tokens=sched.num_prefill_tokens,
                     prefill_cached_tokens=sched.num_cached_prefill_tokens, **self.outputs.latency.report(),
+                    spec_accept_length=self.outputs.accepted.report(),
                     capture_buffer_rows=self.capturer.buffer.rows if self.capturer is not None else 0,
                     capture_buffer_bytes=self.capturer.buffer.nbytes if self.capturer is not None else 0,
                     capture_store_bytes=self.capturer.store.nbytes if self.capturer is not None else 0,

@@ -21,6 +21,7 @@ from rollout.batch.kv_pool import KVPool
 from rollout.config import EngineConfig
 from rollout.core.control_calls import ControlCalls
 from rollout.core.cpu_threads import CpuThreads
+from rollout.core.drafter import make_drafter
 from rollout.core.kv_budget import KVBudget
 from rollout.core.output_processor import OutputProcessor
 from rollout.core.radix_cache import RadixCache
@@ -109,7 +110,7 @@ class EngineCore(ControlCalls):
         self.scheduler = Scheduler(kv_pool=self.kv_pool, cache=self.cache,
                                    max_running_requests=cfg.max_running_requests,
                                    prefill_token_budget=self.prefill_token_budget,
-                                   context_length=self.context_length)
+                                   context_length=self.context_length, drafter=make_drafter(cfg))
 
     def _build_runner(self) -> None:
         """The routed-experts capturer (when enabled) and the model runner that fills it."""
@@ -136,10 +137,7 @@ class EngineCore(ControlCalls):
 
     @property
     def forward_shape_limits(self) -> ForwardShapeLimits:
-        return ForwardShapeLimits(dp_size=self.cfg.dp_size, max_running_requests=self.cfg.max_running_requests,
-                                  chunked_prefill_tokens=self.prefill_token_budget,
-                                  decode_graph_batch_sizes=self.cfg.decode_graph_batch_sizes,
-                                  prefill_graph_token_sizes=self.cfg.prefill_graph_token_sizes)
+        return self.cfg.shape_limits(self.context_length)
 
     @property
     def kv_capacity(self) -> int:

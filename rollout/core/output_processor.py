@@ -16,9 +16,10 @@ import torch
 
 from rollout.batch.host_device import to_device
 from rollout.core.request import Req, ReqStatus
-from rollout.core.token_latency import TokenLatency
+from rollout.core.token_latency import Bucketed, TokenLatency
 from rollout.exec.sampler import sample
 from rollout.generate_io import FinishReason
+from rollout.ipc.control_values import ACCEPT_BUCKETS
 from rollout.ipc.messages import ReqUpdate, floats, ints
 
 logger = logging.getLogger(__name__)
@@ -40,6 +41,7 @@ class OutputProcessor:
         self._routing_dtype = torch.int16 if num_experts < 2**15 else torch.int32
         self.outbox: list[ReqUpdate] = []
         self.latency = TokenLatency()             # time to first token, inter-token latency
+        self.accepted = Bucketed(ACCEPT_BUCKETS)  # speculative decoding: tokens per request per verify step
 
     def take(self) -> list[ReqUpdate]:
         out, self.outbox = self.outbox, []
@@ -49,6 +51,11 @@ class OutputProcessor:
     def process(self, batch: Any, out: Any) -> None:
         """batch: the ScheduledBatch the forward ran; out: its ForwardOutput."""
         self.stats[f"forwards_{out.runner}"] = self.stats.get(f"forwards_{out.runner}", 0) + 1
+        if batch.drafts:
+            self.stats["num_forwards"] += 1
+            self.stats["num_decode_forwards"] += 1
+            self._verify(batch, out)
+            return
         if self.capturer is not None:
             self.capturer.commit(out.layout, batch.out_cache_loc)
         if batch.is_prefill:
@@ -84,62 +91,153 @@ class OutputProcessor:
     def _sample(self, reqs: list[Req], to_sample: Sequence[int], logits: torch.Tensor) -> None:
         if len(to_sample) != logits.shape[0]:
             logits = logits.index_select(0, to_device(torch.tensor(list(to_sample), dtype=torch.int64), logits.device))
+        self._settle(*self._append(reqs, *self._draw(reqs, logits)))
+
+    def _draw(self, reqs: Sequence[Req], logits: torch.Tensor, depth: Optional[Sequence[int]] = None,
+              fed: Optional[Sequence[Sequence[int]]] = None) -> list:
+        """Samples row i of logits for reqs[i] and reads the results to the host: [next ids, logprobs,
+        finite] (and top logprobs, top ids). A verify step samples several rows per request: row i
+        then lies depth[i] tokens past the request's last one, after the drafts fed[i] (its noise
+        position, penalties and min_new_tokens count them as if they were sampled)."""
+        positions = [r.seq_len for r in reqs]
+        outs: list = [r.output_ids for r in reqs]
+        lens = [len(o) for o in outs]
+        if depth is not None:
+            positions = [p + d for p, d in zip(positions, depth)]
+            lens = [n + d for n, d in zip(lens, depth)]
+            outs = [o + list(f) if f and r.params.has_penalty else o for o, f, r in zip(outs, fed, reqs)]
         banned = None
-        if any(len(r.output_ids) < r.params.min_new_tokens for r in reqs):
-            banned = [self._banned_ids(r) for r in reqs]
+        if any(n < r.params.min_new_tokens for n, r in zip(lens, reqs)):
+            banned = [self._banned_ids(r, n) for r, n in zip(reqs, lens)]
         # NOTE: every row is sampled, finite or not (rows are independent), so that the step reads
         # its results once: ids, logprobs, finiteness (and top logprobs) in one transfer.
-        result = sample(
-            logits, [r.params for r in reqs], [r.seed for r in reqs], [r.seq_len for r in reqs],
-            [r.output_ids for r in reqs], banned, [r.top_logprobs_num for r in reqs])
+        result = sample(logits, [r.params for r in reqs], [r.seed for r in reqs], positions, outs, banned,
+                        [r.top_logprobs_num for r in reqs])
         columns = [result.next_ids, result.logprobs, torch.isfinite(logits).all(dim=-1)]   # [B] each
         if result.top_ids is not None:
             columns += [result.top_logprobs, result.top_ids]                                # [B, k] each
-        self._append(reqs, *self.host_reads.read(columns))
+        return self.host_reads.read(columns)
 
-    def _append(self, reqs: list[Req], next_ids: list, logprobs: list, finite: list, *top: list) -> None:
-        """Appends each request's sampled token; finishes it, or sends its stream delta when due."""
+    def _verify(self, batch: Any, out: Any) -> None:
+        """A speculative decode step: each request fed its last token and its drafts; a draft is
+        kept iff it equals the token sampled (with the request's own noise) at its position, and
+        the first mismatch emits that sample, so the tokens are those decoding one by one gives.
+        The KV of the rejected drafts' positions is given back and only the kept positions'
+        routing rows reach the host store."""
+        reqs, drafts = batch.reqs, batch.drafts
+        ends: list = []
+        rows: list[int] = []         # sampled rows of out.logits
+        row_reqs: list[Req] = []
+        depth: list[int] = []
+        fed: list = []
+        live: list[tuple[Req, list[int], int]] = []   # (request, drafts, its first sampled row)
+        off = 0
+        for req, d in zip(reqs, drafts):
+            req.spec_verify_ct += 1
+            req.spec_num_proposed_drafts += len(d)
+            if req.params.max_new_tokens <= len(req.output_ids):
+                ends.append((req, FinishReason("length")))   # NOTE: a prompt's last token at max_new_tokens 0
+            else:
+                live.append((req, d, len(rows)))
+                rows.extend(range(off, off + len(d) + 1))
+                row_reqs.extend([req] * (len(d) + 1))
+                depth.extend(range(len(d) + 1))
+                fed.extend(d[:j] for j in range(len(d) + 1))
+            off += len(d) + 1
+        cols = None
+        if rows:
+            logits = out.logits
+            if len(rows) != logits.shape[0]:
+                logits = logits.index_select(0, to_device(torch.tensor(rows, dtype=torch.int64), logits.device))
+            cols = self._draw(row_reqs, logits, depth, fed)
+        spans = []
+        for req, d, lo in live:
+            ids = cols[0]
+            kept = 0
+            while kept < len(d) and ids[lo + kept] == d[kept]:
+                kept += 1
+            req.spec_num_correct_drafts += kept
+            spans.append((lo, lo + kept + 1))
+        live_reqs = [req for req, _, _ in live]
+        before = [len(r.output_ids) for r in live_reqs]
+        more_ends, due = self._append(live_reqs, *cols, spans=spans) if live else ([], [])
+        self.accepted.add([len(r.output_ids) - b for r, b in zip(live_reqs, before)])
+        # NOTE: positions past a request's new seq_len - 1 fed rejected drafts (or tokens after its
+        # end): their KV goes back and their routing rows are never stored
+        keep: list[int] = []
+        off = 0
+        for req, pre, ext in zip(reqs, batch.prefix_lens, batch.extend_lens):
+            kv = max(pre, req.seq_len - 1)
+            keep.extend(range(off, off + kv - pre))
+            off += ext
+            self.scheduler.truncate(req, kv)
+        if self.capturer is not None:
+            self.capturer.commit(out.layout, batch.out_cache_loc, keep=None if len(keep) == off else keep)
+        self._settle(ends + more_ends, due)
+
+    def _append(self, reqs: list[Req], next_ids: list, logprobs: list, finite: list, *top: list,
+                spans: Optional[Sequence[tuple[int, int]]] = None) -> tuple[list, list]:
+        """Appends each request's sampled token (rows spans[j] = (lo, hi) of the results for
+        request j, in order, until one ends it; default: row j) -> (the requests to finish and why,
+        those whose stream delta is due): _settle sends them."""
         eos = self._eos_set
         version = self.weight_version
         now = time.time()
         firsts: list[float] = []
         gaps: list[float] = []
+        ends: list[tuple[Req, FinishReason]] = []
+        due: list[Req] = []
         for j, req in enumerate(reqs):
-            if not finite[j]:
-                self._fail_nonfinite(req, "the forward produced non-finite logits (NaN or inf)")
-                continue
-            self.stats["generated_tokens"] += 1
-            if logprobs[j] != logprobs[j]:   # NaN: no finite distribution to sample from
-                self._fail_nonfinite(req, "sampling produced a NaN logprob (no finite distribution)")
-                continue
-            tok = next_ids[j]
+            lo, hi = (j, j + 1) if spans is None else spans[j]
+            reason = None
             out_ids = req.output_ids
-            out_ids.append(tok)
-            versions = req.weight_versions
-            if not versions or versions[-1][0] != version:   # NOTE: a request that lives across a weight update
-                versions.append((version, len(out_ids) - 1))
-            if req.last_token_time:
-                gaps.append(now - req.last_token_time)
-            elif req.arrival_time:
-                firsts.append(now - req.arrival_time)
-            req.last_token_time = now
-            req.output_logprobs.append(logprobs[j])
-            if req.top_logprobs_num:
-                n = req.top_logprobs_num
-                req.output_top_logprobs.append(list(zip(top[0][j][:n], top[1][j][:n])))
+            start = len(out_ids)
             p = req.params
-            # NOTE: the usual token ends nothing; only a token that could (_check_finish) pays for
-            # the full check. Stop strings are the front end's (it sees the text and aborts).
-            if ((tok in eos and not p.ignore_eos) or p.stop_token_ids or len(out_ids) >= p.max_new_tokens
-                    or len(req.prompt_ids) + len(out_ids) >= req.max_total_len):
-                reason = self._check_finish(req, tok)
-            else:
-                reason = None
+            for i in range(lo, hi):
+                if not finite[i]:
+                    reason = self._nonfinite(req, "the forward produced non-finite logits (NaN or inf)")
+                    break
+                self.stats["generated_tokens"] += 1
+                if logprobs[i] != logprobs[i]:   # NaN: no finite distribution to sample from
+                    reason = self._nonfinite(req, "sampling produced a NaN logprob (no finite distribution)")
+                    break
+                tok = next_ids[i]
+                out_ids.append(tok)
+                req.output_logprobs.append(logprobs[i])
+                if req.top_logprobs_num:
+                    n = req.top_logprobs_num
+                    req.output_top_logprobs.append(list(zip(top[0][i][:n], top[1][i][:n])))
+                # NOTE: the usual token ends nothing; only a token that could (_check_finish) pays for
+                # the full check. Stop strings are the front end's (it sees the text and aborts).
+                if ((tok in eos and not p.ignore_eos) or p.stop_token_ids or len(out_ids) >= p.max_new_tokens
+                        or len(req.prompt_ids) + len(out_ids) >= req.max_total_len):
+                    reason = self._check_finish(req, tok)
+                    if reason is not None:
+                        break
+            added = len(out_ids) - start
+            if added:
+                versions = req.weight_versions
+                if not versions or versions[-1][0] != version:   # NOTE: a request that lives across a weight update
+                    versions.append((version, start))
+                if req.last_token_time:
+                    gaps.extend([(now - req.last_token_time) / added] * added)
+                elif req.arrival_time:
+                    firsts.append(now - req.arrival_time)
+                    gaps.extend([0.0] * (added - 1))
+                req.last_token_time = now
             if reason is not None:
-                self.finish(req, reason)
+                ends.append((req, reason))
             elif req.emit_interval and len(out_ids) - req.sent_tokens >= req.emit_interval:
-                self._update(req)
+                due.append(req)
         self.latency.observe(firsts, gaps)
+        return ends, due
+
+    def _settle(self, ends: list[tuple[Req, FinishReason]], due: list[Req]) -> None:
+        """Finishes the requests that ended and sends the due stream deltas."""
+        for req, reason in ends:
+            self.finish(req, reason)
+        for req in due:
+            self._update(req)
 
     @staticmethod
     def _record_prompt_logprobs(batch: Any, token_logits: torch.Tensor) -> None:
@@ -157,21 +255,22 @@ class OutputProcessor:
                     req.input_top_logprobs.extend(list(zip(v, i)) for v, i in zip(val.tolist(), idx.tolist()))
             offset += ext
 
-    def _banned_ids(self, req: Req) -> list[int]:
-        if len(req.output_ids) >= req.params.min_new_tokens:
+    def _banned_ids(self, req: Req, num_output: int) -> list[int]:
+        """Tokens req may not sample as its output token number num_output + 1 (min_new_tokens)."""
+        if num_output >= req.params.min_new_tokens:
             return []
         banned = list(req.params.stop_token_ids) + ([] if req.params.ignore_eos else self.eos_ids)
         if len(set(banned)) >= self.vocab_size:
             return []   # NOTE: every token would end the request: min_new_tokens cannot hold; ban none
         return banned
 
-    def _fail_nonfinite(self, req: Req, why: str) -> None:
-        """Ends a request whose next token has no finite distribution: abort, with what it has."""
+    def _nonfinite(self, req: Req, why: str) -> FinishReason:
+        """Why a request whose next token has no finite distribution ends: abort, with what it has."""
         logger.warning("request %s: %s; aborted", req.rid, why)
         self.stats["nonfinite_logits_aborts"] += 1
         self.stats["aborted_requests"] += 1
-        self.finish(req, FinishReason("abort", message=why + "; the request was aborted",
-                                      err_type="NonFiniteLogits", status_code=500))
+        return FinishReason("abort", message=why + "; the request was aborted", err_type="NonFiniteLogits",
+                            status_code=500)
 
     def _check_finish(self, req: Req, tok: int) -> Optional[FinishReason]:
         p = req.params
@@ -235,6 +334,8 @@ class OutputProcessor:
                 upd.input_top_ids = ints([[t for _, t in row] for row in req.input_top_logprobs])
         if reason is not None:
             upd.finished = True
+            if req.spec_verify_ct:
+                upd.spec = [req.spec_verify_ct, req.spec_num_proposed_drafts, req.spec_num_correct_drafts]
             upd.finish_type, upd.finish_matched, upd.finish_message = reason.type, reason.matched, reason.message
             upd.finish_err_type, upd.finish_status_code = reason.err_type, reason.status_code
         self.outbox.append(upd)

@@ -76,6 +76,11 @@ class Req:
     input_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
     sent_input_logprobs: bool = False    # an update carried the prompt logprobs
     last_token_time: float = 0.0         # time.time() of the step that sampled its latest token (0: none yet)
+    # speculative decoding: the drafter's per-request state, and SGLang's meta_info counters
+    draft_state: Any = None
+    spec_verify_ct: int = 0              # decode (verify) steps the request took
+    spec_num_proposed_drafts: int = 0
+    spec_num_correct_drafts: int = 0     # drafts kept (equal to the target's own sample)
 
     @property
     def fill_ids(self) -> list[int]:

@@ -27,7 +27,9 @@ MIN_SHARED_PREFIX = 8  # uncached tokens two new requests must share before one 
 class Scheduler:
     def __init__(self, *, kv_pool: KVPool, cache: RadixCache, max_running_requests: int,
                  prefill_token_budget: int, context_length: int,
-                 on_retract: Optional[Callable[[Req], None]] = None):
+                 on_retract: Optional[Callable[[Req], None]] = None, drafter: Optional[Any] = None):
+        """drafter: speculative decoding's proposer (rollout/core/drafter.py), whose drafts a decode
+        step feeds after each request's last token; None: plain decode steps."""
         self.kv_pool = kv_pool
         # NOTE: one row per admitted request; hold_admission lowers max_running_requests to 0
         # at times, never above this. On the KV pool's device (a batch's kv_indices are gathered
@@ -38,6 +40,7 @@ class Scheduler:
         self.max_running_requests = max_running_requests
         self.prefill_token_budget = prefill_token_budget
         self.on_retract = on_retract
+        self.drafter = drafter
         self.waiting = WaitQueue()
         self.running: list[Req] = []        # admitted: holding KV (prefilling or decoding)
         self._by_uid: dict[int, Req] = {}   # every queued or running request, by uid
@@ -272,7 +275,11 @@ class Scheduler:
                 if not retracted and len(self.running) > 1:
                     self.retract(max(self.running, key=lambda r: r.admit_seq))
                 return None   # the freed KV goes to the prefill of the next step
-            slots = self._alloc(len(ready))
+            drafts = self._drafts(ready)
+            slots = self._alloc(len(ready) + sum(map(len, drafts.values())))
+            if slots is None and drafts:
+                drafts = {}   # NOTE: a plain decode step before anyone is retracted (drafts never change outputs)
+                slots = self._alloc(len(ready))
             if slots is not None:
                 break
             if len(self.running) == 1:
@@ -284,12 +291,44 @@ class Scheduler:
         reqs = sorted(ready, key=attrgetter("kv_len"))
         pre = [r.kv_len for r in reqs]
         rows = torch.tensor([r.req_to_token_row for r in reqs], dtype=torch.int64)
+        if self.drafter is not None:
+            return self._verify_batch(reqs, pre, rows, slots, drafts)
         self.req_to_token.append_one(rows, torch.tensor(pre, dtype=torch.int64), slots)
         for req in reqs:
             req.kv_len += 1
         kv_indices = self.req_to_token.gather(rows, pre[-1] + 1)
         return ScheduledBatch(reqs, [1] * len(reqs), pre, slots, is_prefill=False, kv_indices=kv_indices,
                               prefix_groups=self._prefix_groups(reqs))
+
+    def _drafts(self, ready: list[Req]) -> dict[int, list[int]]:
+        """The drafter's tokens per request uid (only requests it proposed for)."""
+        if self.drafter is None:
+            return {}
+        return {r.uid: d for r, d in zip(ready, self.drafter.propose(ready)) if d}
+
+    def _verify_batch(self, reqs: list[Req], pre: list[int], rows: torch.Tensor, slots: torch.Tensor,
+                      drafts: dict[int, list[int]]) -> ScheduledBatch:
+        """A decode step that feeds each request's last token and its drafts (speculative decoding;
+        a request without drafts feeds its last token alone)."""
+        chain = [drafts.get(r.uid, []) for r in reqs]
+        ext = [1 + len(d) for d in chain]
+        off = 0
+        for req, p, e in zip(reqs, pre, ext):
+            self.req_to_token.write(req.req_to_token_row, p, slots[off:off + e])
+            req.kv_len += e
+            off += e
+        kv_indices = self.req_to_token.gather(rows, max(p + e for p, e in zip(pre, ext)))
+        return ScheduledBatch(reqs, ext, pre, slots, is_prefill=False, kv_indices=kv_indices, drafts=tuple(chain),
+                              prefix_groups=() if drafts else self._prefix_groups(reqs))
+
+    def truncate(self, req: Req, kv_len: int) -> None:
+        """Gives back the KV of a running request's positions kv_len .. (a verify step's rejected
+        drafts): their slots are freed (they are the request's own, never the prefix cache's)."""
+        if kv_len >= req.kv_len:
+            return
+        assert kv_len >= req.cache_len, (req.rid, kv_len, req.cache_len)
+        self.kv_pool.free(self.kv_slots(req)[kv_len:])
+        req.kv_len = kv_len
 
     @staticmethod
     def _prefix_groups(reqs: list[Req]) -> tuple:

@@ -106,7 +106,7 @@ class RunnerPlan:
     def max_gathered_rows(self) -> dict[str, int]:
         """The most rows each runner can put in the gathered MoE input (all ranks together)."""
         lim = self.limits
-        rows = {EAGER: lim.dp_size * max(lim.chunked_prefill_tokens, lim.max_running_requests)}
+        rows = {EAGER: lim.dp_size * max(lim.chunked_prefill_tokens, lim.max_decode_tokens)}
         if self.decode_sizes:
             rows[DECODE] = lim.dp_size * self.decode_sizes[-1]
         if self.prefill_sizes:
@@ -130,7 +130,8 @@ class RunnerPlan:
                 f"{max(self.decode_sizes, default=0)}, "
                 f"prefill_graph_token_sizes max {max(self.prefill_sizes, default=0)}, chunked prefill tokens "
                 f"per rank {lim.chunked_prefill_tokens} (chunked_prefill_size), max_running_requests="
-                f"{lim.max_running_requests}) [gathered rows per runner: {detail}], "
+                f"{lim.max_running_requests} x verified tokens per request {lim.verify_tokens_per_request} "
+                f"(speculative_num_draft_tokens)) [gathered rows per runner: {detail}], "
                 f"but {limit}; lower one of these values or raise max_capture_buffer_rows")
 
 

@@ -179,6 +179,8 @@ class RequestState:
             routed_experts=self._routing_tensor(0), routed_experts_start_len=self.start_len,
             num_experts=self.routing.num_experts if self.routing else 0,
             moe_layer_ids=self.routing.moe_layer_ids if self.routing else (), num_retractions=upd.num_retractions,
+            **(dict(zip(("spec_verify_ct", "spec_num_proposed_drafts", "spec_num_correct_drafts"), upd.spec))
+               if upd.spec else {}),
             e2e_latency=time.time() - self.arrival, **(self.input_lp or self._input_logprobs(upd)))
         self.output = output
         if self.stream:

@@ -77,6 +77,7 @@ class ReqUpdate(msgspec.Struct, kw_only=True, array_like=True, omit_defaults=Tru
     input_top_ids: Optional[bytes] = None       # int32 [prompt tokens, top_n]
     input_top_logprobs: Optional[bytes] = None  # float32 [prompt tokens, top_n]
     weight_versions: Optional[list] = None      # [[version, first output index], ...] new since the last update
+    spec: Optional[list] = None                 # speculative decoding, final update: [verify steps, drafts proposed, kept]
 
 
 class Reply(msgspec.Struct, kw_only=True, array_like=True, omit_defaults=True):

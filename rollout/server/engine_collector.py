@@ -6,7 +6,8 @@ moe_ep_rank, and dp_rank when dp_size > 1): `sglang:num_running_reqs`, `num_queu
 `max_total_num_tokens`, `gen_throughput` and `cache_hit_rate` (over BatchLog's latest window),
 `num_retracted_requests_total`, `realtime_tokens_total{mode}`.
 Summed over the ranks: `sglang:time_to_first_token_seconds` and `sglang:inter_token_latency_seconds`
-(rollout/core/token_latency.py). And the project's own `rollout_*` counters and gauges.
+(rollout/core/token_latency.py), and `rollout_spec_accept_length` (tokens per request per speculative
+verify step; per rank its mean is SGLang's gauge `sglang:spec_accept_length`). And the project's own `rollout_*` counters and gauges.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from rollout.frontend.engine_client import EngineDeadError
-from rollout.ipc.control_values import ITL_BUCKETS, TTFT_BUCKETS
+from rollout.ipc.control_values import ACCEPT_BUCKETS, ITL_BUCKETS, TTFT_BUCKETS
 from rollout.server.batch_log import BatchLog, rank_stats
 from rollout.server.http_io import IgnoredFields
 
@@ -119,6 +120,14 @@ class EngineCollector(Collector):
                          self.labels, TTFT_BUCKETS, ranks, "time_to_first_token")
         yield _histogram("sglang:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
                          self.labels, ITL_BUCKETS, ranks, "inter_token_latency")
+        yield _histogram("rollout_spec_accept_length", "Histogram of tokens a request emits per speculative "
+                         "verify step (1: no draft kept).", self.labels, ACCEPT_BUCKETS, ranks, "spec_accept_length")
+        family = GaugeMetricFamily("sglang:spec_accept_length", "The average speculative acceptance length.",
+                                   labels=names)
+        for rank, stats in enumerate(ranks):
+            counts, total = stats.get("spec_accept_length", ([0], 0.0))
+            family.add_metric(list(self.rank_labels(rank).values()), total / sum(counts) if sum(counts) else 0.0)
+        yield family
 
     def _rollout(self, stats: dict, loads: list[dict]) -> Iterator[Metric]:
         for name, help_, key in ENGINE_COUNTERS:

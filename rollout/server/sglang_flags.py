@@ -83,8 +83,6 @@ SGLANG_FLAGS: tuple[SGLangFlag, ...] = (
     SGLangFlag(options=("--kv-cache-dtype",), type=str, accepts=lambda v, e: v == "auto",
                refusal="the KV cache holds the model's dtype; use --dtype",
                help="auto only: the KV cache holds the model's dtype (--dtype)", default_text="auto"),
-    SGLangFlag(options=("--speculative-algorithm",), type=str, accepts=_never,
-               refusal="speculative decoding is not supported"),
     SGLangFlag(options=("--enable-lora",), accepts=_never,
                refusal="LoRA adapters are not supported; merge the adapter into the checkpoint"),
     SGLangFlag(options=("--lora-paths",), type=str, nargs="*", accepts=_never,

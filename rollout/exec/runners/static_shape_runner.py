@@ -73,7 +73,7 @@ class StaticShapeRunner:
         layout = GatherLayout.padded(self.name, counts, extent=extent)
         fb = self._batch(batch, choice.size, layout)
         logits = self.backend.run(choice.size, fb)
-        num = len(batch.reqs) if batch is not None else 0
+        num = batch.num_logit_rows if batch is not None else 0
         logits = logits[:num].float()
         if self.backend.uses_graphs:
             logits = logits.clone()  # NOTE: the graph's output buffer is overwritten by the next replay

@@ -1,0 +1,101 @@
+"""Drafters: speculative decoding's proposers of the tokens after each request's last one.
+
+A drafter's `propose(reqs)` returns one list of draft tokens per request (possibly empty). The
+scheduler feeds them after the request's last token in one verify forward, and the
+OutputProcessor keeps a draft token iff it equals the token the target samples at its position
+(rollout/core/output_processor.py), so a drafter can only change how fast a request goes, never
+what it outputs. Every drafter proposes at most `draft_budget(req)` tokens: a verified run never
+passes max_new_tokens or the context.
+
+NgramDrafter (SGLang's NGRAM): the longest suffix of the request's tokens (between the min and
+max match window) that occurred earlier in its prompt or output, at its latest occurrence; the
+drafts are the tokens that followed it there.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import numpy as np
+
+
+def draft_budget(req: Any, max_drafts: int) -> int:
+    """Drafts request `req` may take: a verify step emits at most drafts + 1 tokens, which must fit
+    its max_new_tokens and its context (max_total_len)."""
+    room = min(req.params.max_new_tokens - len(req.output_ids), req.max_total_len - req.seq_len) - 1
+    return max(0, min(max_drafts, room))
+
+
+class TokenHistory:
+    """A request's prompt and output tokens as a growing int64 array (appended to, never rebuilt)."""
+
+    def __init__(self, req: Any):
+        n = req.seq_len
+        self.ids = np.empty(max(16, 2 * n), dtype=np.int64)
+        self.ids[:len(req.prompt_ids)] = req.prompt_ids
+        self.ids[len(req.prompt_ids):n] = req.output_ids
+        self.n = n
+
+    def sync(self, req: Any) -> np.ndarray:
+        """The request's tokens now (the output grows between calls)."""
+        n = req.seq_len
+        if n > self.n:
+            if n > self.ids.shape[0]:
+                grown = np.empty(2 * n, dtype=np.int64)
+                grown[:self.n] = self.ids[:self.n]
+                self.ids = grown
+            start = len(req.prompt_ids)
+            self.ids[self.n:n] = req.output_ids[self.n - start:]
+            self.n = n
+        return self.ids[:n]
+
+
+def ngram_lookup(seq: np.ndarray, min_match: int, max_match: int, k: int) -> list[int]:
+    """Up to k tokens that followed the latest earlier occurrence of seq's longest suffix of
+    min_match .. max_match tokens ([] when none occurs)."""
+    n = seq.shape[0]
+    if n < 2 or k <= 0:
+        return []
+    best = np.flatnonzero(seq[:n - 1] == seq[n - 1])   # ends of earlier matches of length 1
+    if best.size == 0:
+        return []
+    length = 1
+    while length < max_match:
+        c = best[best >= length]
+        c = c[seq[c - length] == seq[n - 1 - length]] if c.size else c
+        if c.size == 0:
+            break
+        best, length = c, length + 1
+    if length < min_match:
+        return []
+    end = int(best[-1])
+    return seq[end + 1:end + 1 + k].tolist()
+
+
+class NgramDrafter:
+    def __init__(self, *, num_draft_tokens: int, min_match: int, max_match: int):
+        self.max_drafts = num_draft_tokens - 1
+        self.min_match = min_match
+        self.max_match = max_match
+
+    def propose(self, reqs: Sequence[Any]) -> list[list[int]]:
+        out = []
+        for req in reqs:
+            k = draft_budget(req, self.max_drafts)
+            if k == 0:
+                out.append([])
+                continue
+            if req.draft_state is None:
+                req.draft_state = TokenHistory(req)
+            out.append(ngram_lookup(req.draft_state.sync(req), self.min_match, self.max_match, k))
+        return out
+
+
+def make_drafter(cfg: Any) -> Any:
+    """The drafter an EngineConfig asks for (None: speculation off)."""
+    if cfg.speculative_algorithm is None:
+        return None
+    if cfg.speculative_algorithm == "NGRAM":
+        return NgramDrafter(num_draft_tokens=cfg.verify_tokens_per_request,
+                            min_match=cfg.speculative_ngram_min_match_window_size,
+                            max_match=cfg.speculative_ngram_max_match_window_size)
+    raise ValueError(f"speculative_algorithm={cfg.speculative_algorithm!r} has no drafter")

@@ -1,0 +1,253 @@
+"""Speculative decoding: outputs with it are the outputs without it (tokens, logprobs, top logprobs,
+routing rows; bitwise in deterministic mode), routing rows only for emitted positions, the verify
+tokens in the capture buffer's size, SGLang's flags and meta_info counters."""
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from capture.buffer_sizing import capture_buffer_rows
+from oracle import hf_greedy
+from rollout.config import DEFAULT_MODEL_PATH, EngineConfig
+from rollout.core.drafter import draft_budget, ngram_lookup
+from test_capture import check_rows
+from tiny_models import make_engine, random_prompts
+
+SPEC = {"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": 4}
+
+
+def _prompts(seed: int, lengths: list[int]) -> list[list[int]]:
+    """Random prompts whose second half repeats spans of the first (n-gram drafts find matches)."""
+    rng = random.Random(seed)
+    out = []
+    for p in random_prompts(seed, lengths):
+        spans = [p[i:i + rng.randrange(3, 9)] for i in sorted(rng.sample(range(len(p)), 3))]
+        out.append(p + [t for s in spans for t in s])
+    return out
+
+
+def _params(rng: random.Random) -> list[dict]:
+    """Greedy, sampled (top-p, top-k, min-p), penalties and min_new_tokens, EOS allowed or not."""
+    return [{"temperature": 0.0, "max_new_tokens": 24, "ignore_eos": True},
+            {"temperature": 0.9, "top_p": 0.9, "max_new_tokens": 20, "ignore_eos": True,
+             "sampling_seed": rng.randrange(1000)},
+            {"temperature": 1.0, "top_k": 20, "min_p": 0.02, "max_new_tokens": 18, "ignore_eos": True,
+             "sampling_seed": rng.randrange(1000)},
+            {"temperature": 0.7, "max_new_tokens": 22, "frequency_penalty": 0.4, "presence_penalty": 0.2,
+             "repetition_penalty": 1.1, "min_new_tokens": 6, "sampling_seed": rng.randrange(1000)},
+            {"temperature": 0.0, "max_new_tokens": 30}]
+
+
+def _run(engine, prompts, params, **kw):
+    return engine.generate(input_ids=prompts, sampling_params=params, return_logprob=True, top_logprobs_num=3,
+                           return_routed_experts=True, **kw)
+
+
+def _same(a, b, *, bitwise: bool) -> None:
+    assert a.output_ids == b.output_ids, (a.rid, a.output_ids, b.output_ids)
+    assert a.finish_reason == b.finish_reason and a.finish_info == b.finish_info
+    la, lb = torch.tensor(a.output_logprobs), torch.tensor(b.output_logprobs)
+    if bitwise:
+        assert torch.equal(la, lb)
+        assert a.output_top_logprobs == b.output_top_logprobs
+    else:
+        assert torch.allclose(la, lb, atol=1e-4)
+    assert torch.equal(a.routed_experts, b.routed_experts)
+
+
+def _workload(engine, seed: int, stop: str | None = None):
+    """A GRPO-shaped batch (n samples of one prompt), a mixed batch, and the mixed batch again (its
+    prompts now prefix hits), with stop strings when given."""
+    rng = random.Random(seed)
+    prompts = _prompts(seed, [9, 30, 21, 44, 15])
+    params = _params(rng)
+    if stop is not None:
+        params = [dict(p, stop=[stop]) for p in params]
+    group = _run(engine, [prompts[1]] * 4, [dict(params[1], sampling_seed=s) for s in range(4)])
+    mixed = _run(engine, prompts, params)
+    again = _run(engine, prompts, params)
+    return group + mixed + again
+
+
+# NOTE: one architecture by default; DeepSeek-V3 (MLA, grouped sigmoid routing) and DP 2 with the
+# static-shape runners under slow
+@pytest.mark.parametrize("arch, kw", [
+    ("qwen3_moe", {}),
+    pytest.param("deepseek_v3", {}, marks=pytest.mark.slow),
+    pytest.param("qwen3_moe", {"dp_size": 2, "max_total_tokens": 130, "decode_graph_batch_sizes": (1, 2, 4, 8),
+                               "prefill_graph_token_sizes": (16, 64)}, marks=pytest.mark.slow, id="dp2-graphs")])
+def test_deterministic_outputs_equal_without_speculation(tiny_checkpoint, arch, kw):
+    """Deterministic mode, small prefill chunks, a KV pool small enough to retract: every output with
+    NGRAM drafts is bitwise the output without them, and drafts were both kept and rejected."""
+    path = tiny_checkpoint(arch)
+    kw = {"enable_deterministic_inference": True, "chunked_prefill_size": 16, "max_total_tokens": 260, **kw}
+    outs = {}
+    for name, spec in (("plain", {}), ("ngram", SPEC)):
+        with make_engine(path, **kw, **spec) as engine:
+            outs[name] = _workload(engine, 5)
+    for a, b in zip(outs["plain"], outs["ngram"]):
+        _same(a, b, bitwise=True)
+    spec_out = outs["ngram"]
+    assert any(o.num_retractions for o in spec_out), "the KV pool must force a retraction"
+    assert any(o.cached_tokens for o in spec_out), "the repeated batch must hit the prefix cache"
+    assert sum(o.spec_num_correct_drafts for o in spec_out) > 0
+    assert sum(o.spec_num_proposed_drafts - o.spec_num_correct_drafts for o in spec_out) > 0
+    for o in spec_out:
+        meta = o.meta_info()
+        assert meta["spec_verify_ct"] == o.spec_verify_ct >= 1
+        assert meta["spec_accept_length"] == pytest.approx(o.completion_tokens / o.spec_verify_ct)
+        assert 0 <= meta["spec_num_correct_drafts"] <= meta["spec_num_proposed_drafts"]
+    assert all(o.spec_verify_ct == 0 and "spec_verify_ct" not in o.meta_info() for o in outs["plain"])
+
+
+def test_stop_strings_inside_a_verified_run(tiny_checkpoint):
+    """A stop string completed by a token in the middle of a verified run ends the output there, as
+    decoding one token at a time does (the front end cuts the run's later tokens and rows)."""
+    path = tiny_checkpoint("qwen3_moe")
+    kw = dict(enable_deterministic_inference=True, tokenizer_path=DEFAULT_MODEL_PATH)
+    prompts = _prompts(8, [12, 25])
+    greedy = {"temperature": 0.0, "max_new_tokens": 24, "ignore_eos": True}
+    outs = {}
+    for name, spec in (("plain", {}), ("ngram", SPEC)):
+        with make_engine(path, **kw, **spec) as engine:
+            if name == "plain":
+                text = engine.generate(input_ids=prompts[:1], sampling_params=greedy)[0].text
+                stop = text[len(text) // 2:len(text) // 2 + 2]
+                assert stop.strip(), text
+                params = [dict(greedy, stop=[stop]), dict(greedy, stop=[stop], temperature=0.8, sampling_seed=3)]
+            outs[name] = _run(engine, prompts, params)
+    for a, b in zip(outs["plain"], outs["ngram"]):
+        _same(a, b, bitwise=True)
+        assert a.text == b.text
+    assert outs["ngram"][0].finish_reason == "stop" and outs["ngram"][0].finish_info["matched"] == stop
+
+
+def test_default_mode_greedy_equal_and_rows_are_the_routers(tiny_checkpoint):
+    """Default kernels: greedy tokens with drafts equal those without and transformers'; every
+    emitted token's routing rows are transformers' router top-k."""
+    path = tiny_checkpoint("qwen3_moe")
+    prompts = _prompts(3, [7, 26, 40])
+    greedy = {"temperature": 0.0, "max_new_tokens": 20, "ignore_eos": True}
+    outs = {}
+    for name, spec in (("plain", {}), ("ngram", SPEC)):
+        with make_engine(path, **spec) as engine:
+            outs[name] = _run(engine, prompts, greedy)
+    for a, b, prompt in zip(outs["plain"], outs["ngram"], prompts):
+        assert a.output_ids == b.output_ids == hf_greedy(path, prompt, 20)
+        check_rows(path, b)
+    assert sum(o.spec_num_correct_drafts for o in outs["ngram"]) > 0
+
+
+class WrongDrafter:
+    """Drafts that are never the target's tokens: each is one past the token greedy decoding emits
+    there (known from a run without speculation)."""
+
+    def __init__(self, expected: dict[tuple, list[int]], vocab: int, k: int):
+        self.expected, self.vocab, self.k = expected, vocab, k
+        self.proposed = 0
+
+    def propose(self, reqs):
+        out = []
+        for req in reqs:
+            ref = self.expected[tuple(req.prompt_ids)]
+            n = len(req.output_ids)
+            drafts = [(t + 1) % self.vocab for t in ref[n:n + draft_budget(req, self.k)]]
+            self.proposed += len(drafts)
+            out.append(drafts)
+        return out
+
+
+def test_always_wrong_drafts_keep_rows_exact(tiny_checkpoint):
+    """Drafts that are always rejected: the tokens and rows are still exact (transformers' router
+    top-k), and the host store receives exactly one row per kept position, never a rejected one."""
+    path = tiny_checkpoint("qwen3_moe")
+    prompts = random_prompts(21, [6, 19, 33])
+    greedy = {"temperature": 0.0, "max_new_tokens": 16, "ignore_eos": True}
+    with make_engine(path) as engine:
+        plain = _run(engine, prompts, greedy)
+    expected = {tuple(o.prompt_ids): o.output_ids for o in plain}
+    with make_engine(path, client="inproc", enable_prefix_caching=False, **SPEC) as engine:
+        drafter = WrongDrafter(expected, 256, 3)
+        written = []
+
+        def install(core):
+            core.scheduler.drafter = drafter
+            store = core.capturer.store
+            original = store.write
+            store.write = lambda slots, rows: (written.append(int(slots.numel())), original(slots, rows))[1]
+        engine.debug(install)
+        outs = _run(engine, prompts, greedy)
+    assert drafter.proposed > 0
+    for a, b in zip(plain, outs):
+        assert a.output_ids == b.output_ids
+        assert b.spec_num_correct_drafts == 0 and b.spec_num_proposed_drafts > 0
+        check_rows(path, b)
+    # every position whose input was emitted (the prompt and all outputs but the last) has one row
+    assert sum(written) == sum(len(o.prompt_ids) + len(o.output_ids) - 1 for o in outs)
+
+
+def test_verify_tokens_size_the_capture_buffer(tiny_checkpoint):
+    """Invariant 1 with speculation: a decode step carries max_running x num_draft_tokens tokens; a
+    buffer cap below that is refused at startup, naming the values."""
+    cfg = EngineConfig(max_running_requests=64, chunked_prefill_size=128, speculative_algorithm="NGRAM",
+                       speculative_num_draft_tokens=6)
+    assert capture_buffer_rows(cfg.shape_limits(512)) == 64 * 6
+    path = tiny_checkpoint("qwen3_moe")
+    with pytest.raises(ValueError, match=r"speculative_num_draft_tokens\).*max_capture_buffer_rows=256"):
+        with make_engine(path, max_running_requests=64, chunked_prefill_size=128, max_capture_buffer_rows=256,
+                         speculative_algorithm="NGRAM", speculative_num_draft_tokens=6):
+            pass
+    with make_engine(path, max_running_requests=64, chunked_prefill_size=128, max_capture_buffer_rows=384,
+                     speculative_algorithm="NGRAM", speculative_num_draft_tokens=6):
+        pass
+
+
+def _lookup_reference(seq: list[int], lo: int, hi: int, k: int) -> list[int]:
+    n = len(seq)
+    for length in range(min(hi, n - 1), lo - 1, -1):
+        suffix = seq[n - length:]
+        for end in range(n - 2, length - 2, -1):
+            if seq[end - length + 1:end + 1] == suffix:
+                return seq[end + 1:end + 1 + k]
+    return []
+
+
+def test_ngram_lookup_matches_its_definition():
+    rng = random.Random(0)
+    for _ in range(400):
+        seq = [rng.randrange(4) for _ in range(rng.randrange(1, 40))]
+        lo, hi, k = rng.randrange(1, 4), rng.randrange(1, 8), rng.randrange(0, 6)
+        hi = max(lo, hi)
+        assert ngram_lookup(np.array(seq, dtype=np.int64), lo, hi, k) == _lookup_reference(seq, lo, hi, k), (seq, lo, hi, k)
+
+
+@pytest.mark.parametrize("kw, message", [
+    ({"speculative_algorithm": "EAGLE"}, "EAGLE draft heads are not supported"),
+    ({"speculative_algorithm": "NEXTN"}, "NEXTN"),
+    ({"speculative_algorithm": "MEDUSA"}, r"speculative_algorithm must be one of \('NGRAM', 'STANDALONE'\)"),
+    ({"speculative_num_draft_tokens": 4}, "needs speculative_algorithm"),
+    ({"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": 1},
+     r"speculative_num_draft_tokens must be an integer in \[2, 64\]"),
+    ({"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": 5, "speculative_num_steps": 2},
+     "must be speculative_num_steps \\+ 1 = 3"),
+    ({"speculative_algorithm": "NGRAM", "speculative_eagle_topk": 4}, "tree drafts are not supported"),
+    ({"speculative_algorithm": "STANDALONE"}, "needs speculative_draft_model_path"),
+    ({"speculative_algorithm": "NGRAM", "speculative_draft_model_path": "/x"}, "read only by"),
+    ({"speculative_algorithm": "NGRAM", "speculative_ngram_min_match_window_size": 4,
+      "speculative_ngram_max_match_window_size": 2}, "speculative_ngram_max_match_window_size must be"),
+])
+def test_bad_speculative_settings_are_refused_by_name(kw, message):
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(**kw)
+
+
+def test_speculative_settings_resolve():
+    assert EngineConfig().verify_tokens_per_request == 1
+    assert EngineConfig(speculative_algorithm="ngram").speculative_algorithm == "NGRAM"
+    assert EngineConfig(speculative_algorithm="NGRAM").verify_tokens_per_request == 4
+    assert EngineConfig(speculative_algorithm="NGRAM", speculative_num_steps=6).verify_tokens_per_request == 7
+    assert EngineConfig(speculative_algorithm="NGRAM", speculative_num_draft_tokens=3,
+                        speculative_eagle_topk=1).verify_tokens_per_request == 3
