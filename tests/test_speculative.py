@@ -14,7 +14,7 @@ from oracle import hf_greedy
 from rollout.config import DEFAULT_MODEL_PATH, EngineConfig
 from rollout.core.drafter import draft_budget, ngram_lookup
 from test_capture import check_rows
-from tiny_models import make_engine, random_prompts
+from tiny_models import make_engine, random_prompts, truncated_checkpoint
 
 SPEC = {"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": 4}
 
@@ -72,26 +72,37 @@ def _workload(engine, seed: int, stop: str | None = None):
     return group + mixed + again
 
 
-# NOTE: one architecture by default; DeepSeek-V3 (MLA, grouped sigmoid routing) and DP 2 with the
-# static-shape runners under slow
-@pytest.mark.parametrize("arch, kw", [
-    ("qwen3_moe", {}),
-    pytest.param("deepseek_v3", {}, marks=pytest.mark.slow),
-    pytest.param("qwen3_moe", {"dp_size": 2, "max_total_tokens": 130, "decode_graph_batch_sizes": (1, 2, 4, 8),
-                               "prefill_graph_token_sizes": (16, 64)}, marks=pytest.mark.slow, id="dp2-graphs")])
-def test_deterministic_outputs_equal_without_speculation(tiny_checkpoint, arch, kw):
+def _standalone(draft) -> dict:
+    return {"speculative_algorithm": "STANDALONE", "speculative_num_draft_tokens": 4,
+            "speculative_draft_model_path": str(draft)}
+
+
+# NOTE: NGRAM on one architecture by default; DeepSeek-V3 (MLA, grouped sigmoid routing), DP 2 with
+# the static-shape runners and STANDALONE drafts under slow
+@pytest.mark.parametrize("arch, draft, kw", [
+    ("qwen3_moe", None, {}),
+    pytest.param("deepseek_v3", None, {}, marks=pytest.mark.slow),
+    pytest.param("qwen3_moe", None, {"dp_size": 2, "max_total_tokens": 130, "decode_graph_batch_sizes": (1, 2, 4, 8),
+                                     "prefill_graph_token_sizes": (16, 64)}, marks=pytest.mark.slow, id="dp2-graphs"),
+    pytest.param("qwen3_moe", "self", {}, marks=pytest.mark.slow, id="standalone-self"),
+    pytest.param("deepseek_v3", "small", {}, marks=pytest.mark.slow, id="standalone-small")])
+def test_deterministic_outputs_equal_without_speculation(tiny_checkpoint, tmp_path, arch, draft, kw):
     """Deterministic mode, small prefill chunks, a KV pool small enough to retract: every output with
-    NGRAM drafts is bitwise the output without them, and drafts were both kept and rejected."""
+    drafts (NGRAM, or a draft checkpoint: the target itself or a smaller one of its family) is bitwise
+    the output without them, and drafts were both kept and rejected (the smaller draft is the
+    target's first layer with its embeddings and head)."""
     path = tiny_checkpoint(arch)
+    spec = SPEC if draft is None else _standalone(path if draft == "self" else truncated_checkpoint(path, tmp_path, 1))
     kw = {"enable_deterministic_inference": True, "chunked_prefill_size": 16, "max_total_tokens": 260, **kw}
     outs = {}
-    for name, spec in (("plain", {}), ("ngram", SPEC)):
-        with make_engine(path, **kw, **spec) as engine:
+    for name, extra in (("plain", {}), ("spec", spec)):
+        with make_engine(path, **kw, **extra) as engine:
             outs[name] = _workload(engine, 5)
-    for a, b in zip(outs["plain"], outs["ngram"]):
+    for a, b in zip(outs["plain"], outs["spec"]):
         _same(a, b, bitwise=True)
-    spec_out = outs["ngram"]
-    assert any(o.num_retractions for o in spec_out), "the KV pool must force a retraction"
+    spec_out = outs["spec"]
+    # NOTE: a draft model keeps most drafts: its requests finish in fewer steps, before the pool runs out
+    assert draft is not None or any(o.num_retractions for o in spec_out), "the KV pool must force a retraction"
     assert any(o.cached_tokens for o in spec_out), "the repeated batch must hit the prefix cache"
     assert sum(o.spec_num_correct_drafts for o in spec_out) > 0
     assert sum(o.spec_num_proposed_drafts - o.spec_num_correct_drafts for o in spec_out) > 0
@@ -125,20 +136,24 @@ def test_stop_strings_inside_a_verified_run(tiny_checkpoint):
     assert outs["ngram"][0].finish_reason == "stop" and outs["ngram"][0].finish_info["matched"] == stop
 
 
-def test_default_mode_greedy_equal_and_rows_are_the_routers(tiny_checkpoint):
-    """Default kernels: greedy tokens with drafts equal those without and transformers'; every
-    emitted token's routing rows are transformers' router top-k."""
+@pytest.mark.parametrize("draft", [None, "self"])
+def test_default_mode_greedy_equal_and_rows_are_the_routers(tiny_checkpoint, draft):
+    """Default kernels: greedy tokens with drafts (NGRAM, or the target as its own STANDALONE draft:
+    every draft kept, the mechanism's ceiling) equal those without and transformers'; every emitted
+    token's routing rows are transformers' router top-k."""
     path = tiny_checkpoint("qwen3_moe")
     prompts = _prompts(3, [7, 26, 40])
     greedy = {"temperature": 0.0, "max_new_tokens": 20, "ignore_eos": True}
     outs = {}
-    for name, spec in (("plain", {}), ("ngram", SPEC)):
+    for name, spec in (("plain", {}), ("spec", SPEC if draft is None else _standalone(path))):
         with make_engine(path, **spec) as engine:
             outs[name] = _run(engine, prompts, greedy)
-    for a, b, prompt in zip(outs["plain"], outs["ngram"], prompts):
+    for a, b, prompt in zip(outs["plain"], outs["spec"], prompts):
         assert a.output_ids == b.output_ids == hf_greedy(path, prompt, 20)
         check_rows(path, b)
-    assert sum(o.spec_num_correct_drafts for o in outs["ngram"]) > 0
+        if draft == "self":
+            assert b.spec_num_correct_drafts == b.spec_num_proposed_drafts > 0
+    assert sum(o.spec_num_correct_drafts for o in outs["spec"]) > 0
 
 
 class WrongDrafter:
@@ -251,3 +266,40 @@ def test_speculative_settings_resolve():
     assert EngineConfig(speculative_algorithm="NGRAM", speculative_num_steps=6).verify_tokens_per_request == 7
     assert EngineConfig(speculative_algorithm="NGRAM", speculative_num_draft_tokens=3,
                         speculative_eagle_topk=1).verify_tokens_per_request == 3
+
+
+def test_draft_with_another_vocabulary_is_refused_at_startup(tiny_checkpoint):
+    from rollout.core.engine_core import EngineCore
+
+    cfg = EngineConfig(model_path=str(tiny_checkpoint("qwen3_moe")), tokenizer_path=DEFAULT_MODEL_PATH,
+                       dtype="float32", **_standalone(tiny_checkpoint("qwen3_moe", vocab_size=320)))
+    with pytest.raises(ValueError, match="the draft's vocab_size 320 is not the target's 256"):
+        EngineCore(cfg)
+
+
+def test_server_reports_speculation(tmp_path):
+    """rollout-serve --speculative-algorithm NGRAM: SGLang's meta_info counters on /generate, a
+    stream whose chunks add up to the non-streamed answer, and the acceptance histogram on /metrics."""
+    import httpx
+
+    from server_proc import ServerProcess, sse_events
+
+    body = {"text": "Q: 12+7= A: 19. Q: 12+7= A: 19. Q: 12+7= A:", "return_logprob": True,
+            "return_routed_experts": True, "sampling_params": {"temperature": 0, "max_new_tokens": 24,
+                                                              "ignore_eos": True}}
+    with ServerProcess(["--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", "5",
+                        "--enable-return-routed-experts"]) as srv, httpx.Client(timeout=60) as c:
+        one = c.post(f"{srv.url}/generate", json=body).json()
+        meta = one["meta_info"]
+        assert meta["spec_verify_ct"] >= 1 and meta["completion_tokens"] == 24
+        assert meta["spec_accept_length"] == pytest.approx(24 / meta["spec_verify_ct"])
+        assert 0 <= meta["spec_num_correct_drafts"] <= meta["spec_num_proposed_drafts"]
+        with c.stream("POST", f"{srv.url}/generate", json={**body, "stream": True,
+                                                             "incremental_streaming_output": True}) as r:
+            chunks = list(sse_events(r))
+        assert [t for ch in chunks for t in ch["output_ids"]] == one["output_ids"]
+        assert chunks[-1]["meta_info"]["spec_verify_ct"] == meta["spec_verify_ct"]
+        metrics = c.get(f"{srv.url}/metrics").text
+        counts = [line for line in metrics.splitlines() if line.startswith("rollout_spec_accept_length_count")]
+        assert counts and float(counts[0].split()[-1]) >= 2 * meta["spec_verify_ct"] - 2
+        assert "sglang:spec_accept_length{" in metrics

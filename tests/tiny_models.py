@@ -108,6 +108,18 @@ def tiny_checkpoint(tmp_path_factory):
     return get
 
 
+def truncated_checkpoint(src: str | Path, dst: str | Path, num_layers: int) -> Path:
+    """src's first num_layers decoder layers with its embeddings, final norm and head: a smaller
+    draft of the same family whose guesses agree with src's often (self-speculative drafts)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32)
+    model.model.layers = model.model.layers[:num_layers]
+    model.config.num_hidden_layers = num_layers
+    model.save_pretrained(dst, safe_serialization=True)
+    return Path(dst)
+
+
 def random_prompts(seed: int, lengths, vocab: int = 256) -> list[list[int]]:
     """Seeded random prompts (ids 3.. vocab-1, clear of the tiny models' special ids) of the given lengths."""
     import random

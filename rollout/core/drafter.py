@@ -1,6 +1,7 @@
 """Drafters: speculative decoding's proposers of the tokens after each request's last one.
 
-A drafter's `propose(reqs)` returns one list of draft tokens per request (possibly empty). The
+A drafter's `propose(reqs)` returns one list of draft tokens per request (possibly empty), and
+`release(req)` gives back what it holds for a request that finished or was retracted. The
 scheduler feeds them after the request's last token in one verify forward, and the
 OutputProcessor keeps a draft token iff it equals the token the target samples at its position
 (rollout/core/output_processor.py), so a drafter can only change how fast a request goes, never
@@ -89,13 +90,24 @@ class NgramDrafter:
             out.append(ngram_lookup(req.draft_state.sync(req), self.min_match, self.max_match, k))
         return out
 
+    def release(self, req: Any) -> None:
+        """A request that finished or was retracted: its token history stays valid (nothing to give back)."""
 
-def make_drafter(cfg: Any) -> Any:
-    """The drafter an EngineConfig asks for (None: speculation off)."""
+
+def make_drafter(cfg: Any, *, device: Any, num_slots: int, context_length: int, vocab_size: int) -> Any:
+    """The drafter an EngineConfig asks for (None: speculation off). num_slots: the target's KV
+    slots (the draft model's KV gets as many), vocab_size: the target's."""
     if cfg.speculative_algorithm is None:
         return None
     if cfg.speculative_algorithm == "NGRAM":
         return NgramDrafter(num_draft_tokens=cfg.verify_tokens_per_request,
                             min_match=cfg.speculative_ngram_min_match_window_size,
                             max_match=cfg.speculative_ngram_max_match_window_size)
+    if cfg.speculative_algorithm == "STANDALONE":
+        from rollout.core.draft_model import DraftModelDrafter  # noqa: PLC0415  (it loads a model)
+
+        return DraftModelDrafter(model_path=cfg.speculative_draft_model_path, dtype=cfg.dtype, device=device,
+                                 num_draft_tokens=cfg.verify_tokens_per_request, num_slots=num_slots,
+                                 max_requests=cfg.max_running_requests, context_length=context_length,
+                                 target_vocab=vocab_size, moe_backend=cfg.resolved_moe_backend)
     raise ValueError(f"speculative_algorithm={cfg.speculative_algorithm!r} has no drafter")

@@ -110,7 +110,10 @@ class EngineCore(ControlCalls):
         self.scheduler = Scheduler(kv_pool=self.kv_pool, cache=self.cache,
                                    max_running_requests=cfg.max_running_requests,
                                    prefill_token_budget=self.prefill_token_budget,
-                                   context_length=self.context_length, drafter=make_drafter(cfg))
+                                   context_length=self.context_length,
+                                   drafter=make_drafter(cfg, device=self.device, num_slots=num_slots,
+                                                        context_length=self.context_length,
+                                                        vocab_size=info.vocab_size))
 
     def _build_runner(self) -> None:
         """The routed-experts capturer (when enabled) and the model runner that fills it."""

@@ -119,6 +119,8 @@ class Scheduler:
         if req.last_node is not None:
             self.cache.dec_lock(req.last_node)
         self._drop_row(req)
+        if self.drafter is not None:
+            self.drafter.release(req)
 
     def _give_to_cache(self, req: Req) -> list[int]:
         """Inserts the request's KV (positions 0 .. kv_len-1) into the prefix cache and frees the
