@@ -12,7 +12,7 @@ import torch
 from capture.buffer_sizing import capture_buffer_rows
 from oracle import hf_greedy
 from rollout.config import DEFAULT_MODEL_PATH, EngineConfig
-from rollout.core.drafter import draft_budget, ngram_lookup
+from rollout.core.drafter import MAX_BACKOFF, draft_budget, ngram_lookup, pace
 from test_capture import check_rows
 from tiny_models import make_engine, random_prompts, truncated_checkpoint
 
@@ -174,6 +174,9 @@ class WrongDrafter:
             out.append(drafts)
         return out
 
+    def release(self, req) -> None:
+        """Holds nothing per request."""
+
 
 def test_always_wrong_drafts_keep_rows_exact(tiny_checkpoint):
     """Drafts that are always rejected: the tokens and rows are still exact (transformers' router
@@ -218,6 +221,31 @@ def test_verify_tokens_size_the_capture_buffer(tiny_checkpoint):
     with make_engine(path, max_running_requests=64, chunked_prefill_size=128, max_capture_buffer_rows=384,
                      speculative_algorithm="NGRAM", speculative_num_draft_tokens=6):
         pass
+
+
+def test_pace_backs_off_failing_drafts_and_grows_holding_ones():
+    from rollout.core.request import Req
+    from rollout.sampling_params import SamplingParams
+
+    req = Req(uid=0, rid="r", prompt_ids=[5] * 10, params=SamplingParams(max_new_tokens=1000), seed=0,
+              max_total_len=4096)
+    assert draft_budget(req, 3) == 3
+    skipped = []
+    for _ in range(9):   # every draft fails: pauses of 1, 2, 4, .. steps, then one draft
+        pace(req, draft_budget(req, 3), 0)
+        n = 0
+        while draft_budget(req, 3) == 0:
+            n += 1
+        skipped.append(n)
+    assert skipped == [1, 2, 4, 8, 16, 32, 64, 64, 64] and MAX_BACKOFF == 64
+    pace(req, 1, 1)              # the one draft held: two next, then up to the most allowed
+    assert draft_budget(req, 3) == 2
+    pace(req, 2, 2)
+    assert draft_budget(req, 3) == 3
+    pace(req, 3, 1)
+    assert draft_budget(req, 3) == 2
+    req.output_ids = [7] * 998   # room for 2 more tokens: at most one draft
+    assert draft_budget(req, 3) == 1
 
 
 def _lookup_reference(seq: list[int], lo: int, hi: int, k: int) -> list[int]:

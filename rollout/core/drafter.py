@@ -6,7 +6,9 @@ scheduler feeds them after the request's last token in one verify forward, and t
 OutputProcessor keeps a draft token iff it equals the token the target samples at its position
 (rollout/core/output_processor.py), so a drafter can only change how fast a request goes, never
 what it outputs. Every drafter proposes at most `draft_budget(req)` tokens: a verified run never
-passes max_new_tokens or the context.
+passes max_new_tokens or the context, and a request whose drafts keep failing is paced down to
+none for a while (pace), so that a workload the drafter cannot guess costs little more than
+decoding without it.
 
 NgramDrafter (SGLang's NGRAM): the longest suffix of the request's tokens (between the min and
 max match window) that occurred earlier in its prompt or output, at its latest occurrence; the
@@ -19,11 +21,36 @@ from typing import Any, Sequence
 import numpy as np
 
 
+MAX_BACKOFF = 64   # decode steps a request whose drafts all failed goes without drafts, at most
+
+
 def draft_budget(req: Any, max_drafts: int) -> int:
-    """Drafts request `req` may take: a verify step emits at most drafts + 1 tokens, which must fit
-    its max_new_tokens and its context (max_total_len)."""
+    """Drafts request `req` may take this step: a verify step emits at most drafts + 1 tokens,
+    which must fit its max_new_tokens and its context (max_total_len), and no more than its pace
+    allows (pace). Counts down a request's backoff (call once per request and step)."""
+    if req.spec_skip > 0:
+        req.spec_skip -= 1
+        return 0
     room = min(req.params.max_new_tokens - len(req.output_ids), req.max_total_len - req.seq_len) - 1
-    return max(0, min(max_drafts, room))
+    cap = max_drafts if req.spec_cap < 0 else min(max_drafts, req.spec_cap)
+    return max(0, min(cap, room))
+
+
+def pace(req: Any, proposed: int, kept: int) -> None:
+    """Adapts a request's drafts to how its last ones fared: after k of d kept it may take k + 1
+    next (d + 1 when all were kept); after none kept it takes none for 1, 2, 4, .. MAX_BACKOFF
+    steps, then tries one. A request whose drafts keep failing thus feeds the verify forward
+    little more than its last token, and one whose drafts hold takes the most allowed. Outputs
+    never depend on it (only the speed does)."""
+    if proposed == 0:
+        return
+    if kept == 0:
+        req.spec_backoff = min(MAX_BACKOFF, max(1, 2 * req.spec_backoff))
+        req.spec_skip = req.spec_backoff
+        req.spec_cap = 1
+    else:
+        req.spec_backoff = 0
+        req.spec_cap = kept + 1
 
 
 class TokenHistory:

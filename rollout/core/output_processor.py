@@ -15,6 +15,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from rollout.batch.host_device import to_device
+from rollout.core.drafter import pace
 from rollout.core.request import Req, ReqStatus
 from rollout.core.token_latency import Bucketed, TokenLatency
 from rollout.exec.sampler import sample
@@ -157,6 +158,7 @@ class OutputProcessor:
             while kept < len(d) and ids[lo + kept] == d[kept]:
                 kept += 1
             req.spec_num_correct_drafts += kept
+            pace(req, len(d), kept)
             spans.append((lo, lo + kept + 1))
         live_reqs = [req for req, _, _ in live]
         before = [len(r.output_ids) for r in live_reqs]
