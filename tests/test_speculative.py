@@ -164,12 +164,12 @@ class WrongDrafter:
         self.expected, self.vocab, self.k = expected, vocab, k
         self.proposed = 0
 
-    def propose(self, reqs):
+    def propose(self, reqs, step):
         out = []
         for req in reqs:
             ref = self.expected[tuple(req.prompt_ids)]
             n = len(req.output_ids)
-            drafts = [(t + 1) % self.vocab for t in ref[n:n + draft_budget(req, self.k)]]
+            drafts = [(t + 1) % self.vocab for t in ref[n:n + draft_budget(req, self.k, step)]]
             self.proposed += len(drafts)
             out.append(drafts)
         return out
@@ -229,23 +229,23 @@ def test_pace_backs_off_failing_drafts_and_grows_holding_ones():
 
     req = Req(uid=0, rid="r", prompt_ids=[5] * 10, params=SamplingParams(max_new_tokens=1000), seed=0,
               max_total_len=4096)
-    assert draft_budget(req, 3) == 3
-    skipped = []
-    for _ in range(9):   # every draft fails: pauses of 1, 2, 4, .. steps, then one draft
-        pace(req, draft_budget(req, 3), 0)
-        n = 0
-        while draft_budget(req, 3) == 0:
-            n += 1
-        skipped.append(n)
-    assert skipped == [1, 2, 4, 8, 16, 32, 64, 64, 64] and MAX_BACKOFF == 64
+    assert draft_budget(req, 3, 1) == 3
+    tried = []
+    for step in range(1, 400):   # every draft fails: it drafts at multiples of 2, 4, 8, .. 64 only
+        k = draft_budget(req, 3, step)
+        if k:
+            tried.append((step, k))
+            pace(req, k, 0)
+    assert tried == [(1, 3), (2, 1), (4, 1), (8, 1), (16, 1), (32, 1), (64, 1), (128, 1), (192, 1),
+                     (256, 1), (320, 1), (384, 1)] and MAX_BACKOFF == 64
     pace(req, 1, 1)              # the one draft held: two next, then up to the most allowed
-    assert draft_budget(req, 3) == 2
+    assert draft_budget(req, 3, 401) == 2
     pace(req, 2, 2)
-    assert draft_budget(req, 3) == 3
+    assert draft_budget(req, 3, 402) == 3
     pace(req, 3, 1)
-    assert draft_budget(req, 3) == 2
+    assert draft_budget(req, 3, 403) == 2
     req.output_ids = [7] * 998   # room for 2 more tokens: at most one draft
-    assert draft_budget(req, 3) == 1
+    assert draft_budget(req, 3, 404) == 1
 
 
 def _lookup_reference(seq: list[int], lo: int, hi: int, k: int) -> list[int]:

@@ -55,12 +55,12 @@ class DraftModelDrafter:
 
     # ---- the drafter interface -------------------------------------------------------------------
     @torch.inference_mode()
-    def propose(self, reqs: Sequence[Any]) -> list[list[int]]:
+    def propose(self, reqs: Sequence[Any], step: int) -> list[list[int]]:
         out: list[list[int]] = [[] for _ in reqs]
         work: list[tuple[int, Any, DraftSeq, int]] = []   # (index in reqs, request, its DraftSeq, drafts wanted)
         room = self.kv_pool.available()
         for i, req in enumerate(reqs):
-            k = draft_budget(req, self.max_drafts)
+            k = draft_budget(req, self.max_drafts, step)
             if k == 0:
                 continue
             seq = self._sync(req)

@@ -1,11 +1,12 @@
 """Drafters: speculative decoding's proposers of the tokens after each request's last one.
 
-A drafter's `propose(reqs)` returns one list of draft tokens per request (possibly empty), and
+A drafter's `propose(reqs, step)` returns one list of draft tokens per request (possibly empty;
+step: the scheduler's decode step count, which paces them), and
 `release(req)` gives back what it holds for a request that finished or was retracted. The
 scheduler feeds them after the request's last token in one verify forward, and the
 OutputProcessor keeps a draft token iff it equals the token the target samples at its position
 (rollout/core/output_processor.py), so a drafter can only change how fast a request goes, never
-what it outputs. Every drafter proposes at most `draft_budget(req)` tokens: a verified run never
+what it outputs. Every drafter proposes at most `draft_budget(req, step)` tokens: a verified run never
 passes max_new_tokens or the context, and a request whose drafts keep failing is paced down to
 none for a while (pace), so that a workload the drafter cannot guess costs little more than
 decoding without it.
@@ -24,12 +25,11 @@ import numpy as np
 MAX_BACKOFF = 64   # decode steps a request whose drafts all failed goes without drafts, at most
 
 
-def draft_budget(req: Any, max_drafts: int) -> int:
-    """Drafts request `req` may take this step: a verify step emits at most drafts + 1 tokens,
-    which must fit its max_new_tokens and its context (max_total_len), and no more than its pace
-    allows (pace). Counts down a request's backoff (call once per request and step)."""
-    if req.spec_skip > 0:
-        req.spec_skip -= 1
+def draft_budget(req: Any, max_drafts: int, step: int) -> int:
+    """Drafts request `req` may take at decode step `step`: a verify step emits at most drafts + 1
+    tokens, which must fit its max_new_tokens and its context (max_total_len), and no more than its
+    pace allows (pace)."""
+    if req.spec_backoff and step % req.spec_backoff:
         return 0
     room = min(req.params.max_new_tokens - len(req.output_ids), req.max_total_len - req.seq_len) - 1
     cap = max_drafts if req.spec_cap < 0 else min(max_drafts, req.spec_cap)
@@ -38,15 +38,15 @@ def draft_budget(req: Any, max_drafts: int) -> int:
 
 def pace(req: Any, proposed: int, kept: int) -> None:
     """Adapts a request's drafts to how its last ones fared: after k of d kept it may take k + 1
-    next (d + 1 when all were kept); after none kept it takes none for 1, 2, 4, .. MAX_BACKOFF
-    steps, then tries one. A request whose drafts keep failing thus feeds the verify forward
-    little more than its last token, and one whose drafts hold takes the most allowed. Outputs
-    never depend on it (only the speed does)."""
+    next (d + 1 when all were kept); after none kept it drafts (one token) only at steps that are
+    multiples of 1, 2, 4, .. MAX_BACKOFF, doubling with each failure. A request whose drafts keep
+    failing thus feeds the verify forward its last token alone nearly always, and the requests
+    that back off try again at the same steps (a step with any drafts is an extend forward for the
+    whole batch); one whose drafts hold takes the most allowed. Outputs never depend on it."""
     if proposed == 0:
         return
     if kept == 0:
-        req.spec_backoff = min(MAX_BACKOFF, max(1, 2 * req.spec_backoff))
-        req.spec_skip = req.spec_backoff
+        req.spec_backoff = min(MAX_BACKOFF, max(2, 2 * req.spec_backoff))
         req.spec_cap = 1
     else:
         req.spec_backoff = 0
@@ -105,10 +105,10 @@ class NgramDrafter:
         self.min_match = min_match
         self.max_match = max_match
 
-    def propose(self, reqs: Sequence[Any]) -> list[list[int]]:
+    def propose(self, reqs: Sequence[Any], step: int) -> list[list[int]]:
         out = []
         for req in reqs:
-            k = draft_budget(req, self.max_drafts)
+            k = draft_budget(req, self.max_drafts, step)
             if k == 0:
                 out.append([])
                 continue

@@ -82,8 +82,7 @@ class Req:
     spec_num_proposed_drafts: int = 0
     spec_num_correct_drafts: int = 0     # drafts kept (equal to the target's own sample)
     spec_cap: int = -1                   # drafts it may take next (-1: the most allowed); rollout/core/drafter.py: pace
-    spec_skip: int = 0                   # decode steps to go without drafts
-    spec_backoff: int = 0                # the last such pause
+    spec_backoff: int = 0                # > 0: it drafts only at decode steps that are multiples of this
 
     @property
     def fill_ids(self) -> list[int]:

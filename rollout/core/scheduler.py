@@ -53,6 +53,7 @@ class Scheduler:
         self.num_admitted = 0
         self.num_prefill_tokens = 0
         self.num_cached_prefill_tokens = 0
+        self.num_decode_steps = 0          # paces speculative drafts (rollout/core/drafter.py)
         # True unless no running request can be mid-prefill (set on every prefill scheduling)
         self._maybe_chunked = False
 
@@ -290,6 +291,7 @@ class Scheduler:
             retracted = True
         # NOTE: shortest first: attention cuts a decode batch into runs of similar length
         # (ForwardBatch.segments), so that short requests do not pad to the longest.
+        self.num_decode_steps += 1
         reqs = sorted(ready, key=attrgetter("kv_len"))
         pre = [r.kv_len for r in reqs]
         rows = torch.tensor([r.req_to_token_row for r in reqs], dtype=torch.int64)
@@ -306,7 +308,7 @@ class Scheduler:
         """The drafter's tokens per request uid (only requests it proposed for)."""
         if self.drafter is None:
             return {}
-        return {r.uid: d for r, d in zip(ready, self.drafter.propose(ready)) if d}
+        return {r.uid: d for r, d in zip(ready, self.drafter.propose(ready, self.num_decode_steps)) if d}
 
     def _verify_batch(self, reqs: list[Req], pre: list[int], rows: torch.Tensor, slots: torch.Tensor,
                       drafts: dict[int, list[int]]) -> ScheduledBatch:
