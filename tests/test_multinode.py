@@ -64,9 +64,10 @@ def reference():
 class TwoNodes:
     """Node 0 (HTTP, ranks 0-1) and node 1 (ranks 2-3) of one server; node 1 optionally in a netns."""
 
-    def __init__(self, host: str = "127.0.0.1", netns: str | None = None, dist_timeout: int = 120):
+    def __init__(self, host: str = "127.0.0.1", netns: str | None = None, dist_timeout: int = 120,
+                 flags: list[str] = FLAGS):
         addr = f"{host}:{free_port()}"
-        flags = [*FLAGS, "--nnodes", "2", "--dist-init-addr", addr, "--dist-timeout", str(dist_timeout)]
+        flags = [*flags, "--nnodes", "2", "--dist-init-addr", addr, "--dist-timeout", str(dist_timeout)]
         self.node1 = NodeProcess([*flags, "--node-rank", "1"], netns=netns)
         self.node0 = ServerProcess([*flags, "--node-rank", "0"], startup_timeout=180)
 
@@ -223,6 +224,59 @@ def test_bad_node_flags_are_refused_before_anything_starts(capsys):
             ServerArgs.from_cli(argv)
         assert exit_.value.code == 2
         assert message in capsys.readouterr().err
+
+
+def test_weight_updates_reach_every_rank_of_every_node(tiny_checkpoint):
+    """A distributed push (trainer_bridge's DistributedSync: the trainer is rank 0, global DP rank r
+    of the server rank 1 + r, whichever node runs it), then a disk update: greedy outputs on every
+    rank are transformers' for the pushed checkpoint."""
+    import asyncio
+
+    from safetensors.torch import load_file
+
+    from oracle import hf_greedy
+    from rollout.config import DEFAULT_MODEL_PATH
+    from trainer_bridge.client import RolloutClient
+    from trainer_bridge.weight_sync import make_weight_sync
+
+    a, b = tiny_checkpoint("qwen2_moe"), tiny_checkpoint("qwen2_moe", seed=1)
+    prompt, n_new = [11, 57, 23, 200, 9, 31, 77, 5], 6
+    want_a, want_b = hf_greedy(a, prompt, n_new), hf_greedy(b, prompt, n_new)
+    assert want_a != want_b
+    flags = ["--model-path", str(a), "--tokenizer-path", DEFAULT_MODEL_PATH, "--dtype", "float32", "--dp-size", "2",
+             "--weight-update-bucket-bytes", "4096", "--cpu-threads", "1", "--allowed-weight-dirs", str(b)]
+    greedy = {"temperature": 0.0, "max_new_tokens": n_new, "ignore_eos": True}
+
+    def outputs(url: str) -> list[tuple[list[int], str]]:
+        out = []
+        for rank in (0, 1):
+            r = httpx.post(url + "/generate", json={"input_ids": prompt, "sampling_params": greedy,
+                                                    "routed_dp_rank": rank}, timeout=120).json()
+            out.append((r["output_ids"], r["meta_info"]["weight_version"]))
+        return out
+
+    with TwoNodes(flags=flags) as nodes:
+        url = nodes.node0.url
+        assert outputs(url) == [(want_a, "default")] * 2
+
+        async def push() -> None:
+            async with RolloutClient([url]) as client:
+                sync = make_weight_sync("distributed", client)
+                try:
+                    await sync.push(dict(sorted(load_file(f"{b}/model.safetensors").items())), "v-b")
+                finally:
+                    await sync.close()
+
+        asyncio.run(push())
+        assert outputs(url) == [(want_b, "v-b")] * 2
+        r = httpx.post(url + "/update_weights_from_disk", json={"model_path": str(a), "weight_version": "disk-a"},
+                       timeout=120)
+        assert r.status_code == 200 and r.json()["success"], r.text
+        assert outputs(url) == [(want_a, "disk-a")] * 2
+        r = httpx.post(url + "/update_weights_from_disk", json={"model_path": str(b), "weight_version": "disk-b"},
+                       timeout=120)
+        assert r.status_code == 200 and r.json()["success"], r.text
+        assert outputs(url) == [(want_b, "disk-b")] * 2
 
 
 # ---- across network namespaces -------------------------------------------------------------------------
