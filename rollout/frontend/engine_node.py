@@ -9,7 +9,8 @@ It ends when its engines have ended: after the front end's Shutdown, or when the
 (the store stops answering: the engines are then given STOP_GRACE_S to end on their own, which
 they do once the DP group breaks, and killed after). An engine that fails makes it stop the others
 and exit non-zero, naming the rank. SIGTERM/SIGINT: the first waits for node 0 to stop the
-engines (a server's drain), a second kills them.
+engines (a server's drain), a second one (a second or more later: a supervisor that signals both a
+task and its process group delivers two at once) kills them.
 """
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ class EngineNode:
     POLL_S = 0.5
     STOP_GRACE_S = 15.0      # the engines' time to end once the server is gone
     FAILED_GRACE_S = 2.0     # the other engines' time to end once one failed
+    REPEAT_S = 1.0           # a signal this soon after the first is the same request
 
     def __init__(self, cfg: EngineConfig):
         if cfg.node_rank == 0:
@@ -42,6 +44,7 @@ class EngineNode:
         self.cfg = cfg
         self.procs: list[EngineProcess] = []
         self.signals = 0
+        self.first_signal = 0.0
         self.message = ""
 
     @property
@@ -51,8 +54,11 @@ class EngineNode:
             f"node {self.cfg.node_rank} (DP rank {ranks[0]})"
 
     def _on_signal(self, signum: int, frame: object) -> None:
+        if self.signals and time.monotonic() - self.first_signal < self.REPEAT_S:
+            return
         self.signals += 1
         if self.signals == 1:
+            self.first_signal = time.monotonic()
             logger.warning("%s: %s: waiting for node 0 to stop the engines (a second signal kills them)",
                            self.name, signal.Signals(signum).name)
 
