@@ -196,9 +196,9 @@ class EngineConfig:
         check_range("cpu_reserve", self.cpu_reserve, 0, integer=True)
         object.__setattr__(self, "cpu_affinity", _int_tuple("cpu_affinity", self.cpu_affinity, minimum=0))
         if len(self.cpu_affinity) % self.local_dp_size:
-            raise ValueError(f"cpu_affinity must list a multiple of {self.local_dp_size} CPUs (an equal part per DP "
-                             f"rank of this node: dp_size={self.dp_size} / nnodes={self.nnodes}), got "
-                             f"{len(self.cpu_affinity)}: {list(self.cpu_affinity)}")
+            per = f"dp_size={self.dp_size}" if self.nnodes == 1 else f"dp_size/nnodes={self.local_dp_size}"
+            raise ValueError(f"cpu_affinity must list a multiple of {per} CPUs (an equal part per DP rank of this "
+                             f"node), got {len(self.cpu_affinity)}: {list(self.cpu_affinity)}")
         check_range("max_capture_buffer_rows", self.max_capture_buffer_rows, 1, integer=True, or_none=True)
         if self.profile_graph_capture_dir is not None and (
                 not isinstance(self.profile_graph_capture_dir, str) or not self.profile_graph_capture_dir):
