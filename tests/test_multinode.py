@@ -208,6 +208,21 @@ def test_node_that_never_joins_is_a_startup_error():
     srv.stop()
 
 
+def test_node_that_cannot_reach_node_0_fails_within_dist_timeout():
+    node = NodeProcess([*FLAGS, "--nnodes", "2", "--node-rank", "1", "--dist-init-addr", f"127.0.0.1:{free_port()}",
+                        "--dist-timeout", "2"]).start()
+    try:
+        t0 = time.monotonic()
+        assert node.proc.wait(60) == 1
+        assert time.monotonic() - t0 < 45
+        last = node.log().strip().splitlines()[-1]
+        assert last.startswith("rollout-serve: error: node 1 (DP ranks 2-3): cannot reach the rendezvous at 127.0.0.1:")
+        assert "within 2 s" in last
+    finally:
+        node.stop(timeout=1)
+        node.remove_log()
+
+
 def test_bad_node_flags_are_refused_before_anything_starts(capsys):
     from rollout.server.args import ServerArgs
 

@@ -43,6 +43,9 @@ class ProcessClient:
     DEATH_GRACE_S = 2.0       # how long the other ranks may still deliver after one died
 
     def __init__(self, cfg: EngineConfig, on_updates: UpdatesCallback, on_dead: DeadCallback):
+        if cfg.node_rank != 0:
+            raise ValueError(f"node_rank must be 0 for the front end (node 0 serves; node {cfg.node_rank} runs only "
+                             f"its engine processes: `rollout-serve --node-rank {cfg.node_rank}`), got {cfg.node_rank}")
         self.cfg = cfg
         self.dp_size = cfg.dp_size
         self._on_updates = on_updates
