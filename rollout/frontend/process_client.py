@@ -40,6 +40,7 @@ logger = logging.getLogger(__name__)
 class ProcessClient:
     STARTUP_TIMEOUT_S = 600.0
     STOP_TIMEOUT_S = 10.0
+    FAILED_START_STOP_S = 1.0   # a failed startup: the ranks still loading or joining cannot take Shutdown
     DEATH_GRACE_S = 2.0       # how long the other ranks may still deliver after one died
 
     def __init__(self, cfg: EngineConfig, on_updates: UpdatesCallback, on_dead: DeadCallback):
@@ -59,6 +60,7 @@ class ProcessClient:
         self._closed = False
         self._ctx = zmq.Context()
         self._gone: dict[int, float] = {}               # rank of another node -> when its connection closed
+        self._stop_timeout_s = self.STOP_TIMEOUT_S
         remove_stale_dirs()
         self._dir = IpcDirectory()
         self._sockets: list[FrontSockets] = []
@@ -86,6 +88,7 @@ class ProcessClient:
                                                  os.getpid()))
             ready = self._await_ready()
         except BaseException:
+            self._stop_timeout_s = self.FAILED_START_STOP_S
             self.close()
             raise
         self.kv_capacity = min(r["kv_capacity"] for r in ready)
@@ -293,7 +296,7 @@ class ProcessClient:
                 s.send(Shutdown())
             except zmq.ZMQError:
                 pass   # NOTE: closed already
-        deadline = time.monotonic() + self.STOP_TIMEOUT_S
+        deadline = time.monotonic() + self._stop_timeout_s
         for p in self._procs:
             p.join(timeout=max(0.0, deadline - time.monotonic()))
         for p in self._procs:
