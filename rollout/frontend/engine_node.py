@@ -66,23 +66,22 @@ class EngineNode:
         """Starts this node's engines and waits for them; the exit status (0: they ended cleanly).
         RuntimeError when the rendezvous cannot be reached within dist_timeout."""
         cfg = self.cfg
-        previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+        # NOTE: until the engines run, a signal ends the process at once (nothing to stop yet)
+        rendezvous = Rendezvous.joined(cfg)
+        previous: dict = {}
         try:
-            rendezvous = Rendezvous.joined(cfg)
             rendezvous.announce_node(cfg.node_rank)
+            endpoints = [rendezvous.endpoints(rank) for rank in cfg.local_ranks]
             config = json.dumps({f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)})
-            try:
-                for rank in cfg.local_ranks:
-                    to_engine, from_engine = rendezvous.endpoints(rank)
-                    self.procs.append(EngineProcess(config, rank, to_engine, from_engine, rendezvous.address,
-                                                    os.getpid()))
-                logger.info("%s: engines started (pids %s), rendezvous %s", self.name,
-                            [p.pid for p in self.procs], rendezvous.address)
-                return self._watch(rendezvous)
-            finally:
-                self._stop()
-                rendezvous.close()
+            previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+            for rank, (to_engine, from_engine) in zip(cfg.local_ranks, endpoints):
+                self.procs.append(EngineProcess(config, rank, to_engine, from_engine, rendezvous.address, os.getpid()))
+            logger.info("%s: engines started (pids %s), rendezvous %s", self.name, [p.pid for p in self.procs],
+                        rendezvous.address)
+            return self._watch(rendezvous)
         finally:
+            self._stop()
+            rendezvous.close()
             for s, handler in previous.items():
                 signal.signal(s, handler)
 

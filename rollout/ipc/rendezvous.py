@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import time
 from datetime import timedelta
 from typing import Optional
 
@@ -39,18 +40,36 @@ def store_address(cfg: EngineConfig) -> tuple[str, int]:
     return check_host_port("dist_init_addr", cfg.dist_init_addr)
 
 
+def _await_listening(host: str, port: int, timeout_s: float) -> None:
+    """Returns once host:port accepts a TCP connection; RuntimeError after timeout_s.
+    NOTE: polled here rather than by TCPStore's own retries: those block in C++ (a Ctrl-C waits for
+    them) and log every failed attempt."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with socket.create_connection((host, port), timeout=min(1.0, max(0.05, deadline - time.monotonic()))):
+                return
+        except OSError as exc:
+            if time.monotonic() >= deadline:
+                raise RuntimeError(f"cannot reach the rendezvous at {host}:{port} (--dist-init-addr) within "
+                                   f"{timeout_s:g} s: {exc.strerror or exc}") from None
+        time.sleep(0.2)
+
+
 def connect(host: str, port: int, timeout_s: float, *, master: bool = False):
     """A TCPStore on host:port (hosting it when master); RuntimeError naming the address when it
     cannot listen there, or cannot reach it within timeout_s."""
     import torch.distributed as dist  # noqa: PLC0415
 
+    if not master:
+        _await_listening(host, port, timeout_s)
     try:
         return dist.TCPStore(host, port, is_master=master, wait_for_workers=False,
                              timeout=timedelta(seconds=timeout_s))
     except (RuntimeError, OSError) as exc:   # DistNetworkError is a RuntimeError
-        what = "listen on" if master else "reach"
-        raise RuntimeError(f"cannot {what} the rendezvous at {host}:{port} (--dist-init-addr) within "
-                           f"{timeout_s:g} s: {str(exc).splitlines()[0]}") from None
+        what = "listen on" if master else f"join within {timeout_s:g} s"
+        raise RuntimeError(f"cannot {what} the rendezvous at {host}:{port} (--dist-init-addr): "
+                           f"{str(exc).splitlines()[0]}") from None
 
 
 class Rendezvous:
