@@ -147,7 +147,7 @@ def _kill_node1_mid_batch(nodes: TwoNodes, reference: dict) -> None:
     while sum(ld["num_running_reqs"] for ld in httpx.get(url + "/v1/loads").json()["loads"]) < DP:
         assert time.monotonic() < deadline
         time.sleep(0.02)
-    time.sleep(0.5)
+    time.sleep(0.2)     # some tokens, far from KILLED_TOKENS (a step of 4 ranks takes milliseconds at best)
     nodes.node1.kill_tree()
     t0 = time.monotonic()
     while True:
@@ -194,6 +194,37 @@ def _kill_node1_mid_batch(nodes: TwoNodes, reference: dict) -> None:
 def test_killed_node_returns_partials_fails_health_and_stops_the_server(reference):
     with TwoNodes() as nodes:
         _kill_node1_mid_batch(nodes, reference)
+
+
+@pytest.mark.slow
+def test_one_dead_engine_of_node_1_stops_its_node_and_the_server():
+    """kill -9 of one engine process of node 1 (its launcher lives): node 1 stops its other engine and
+    exits 1 naming the rank; node 0 answers its request in flight as an abort naming node 1 and
+    exits non-zero."""
+    with TwoNodes() as nodes:
+        url = nodes.node0.url
+        engines1 = sorted(_children(nodes.node1.proc.pid))
+        assert len(engines1) == 2
+        box = {}
+
+        def one() -> None:
+            body = {"input_ids": KILLED_PROMPTS[0], "routed_dp_rank": 0, "sampling_params": dict(GREEDY, max_new_tokens=90)}
+            box["r"] = httpx.post(url + "/generate", json=body, timeout=120)
+
+        t = threading.Thread(target=one)
+        t.start()
+        deadline = time.monotonic() + 60
+        while httpx.get(url + "/v1/loads").json()["loads"][0]["num_running_reqs"] < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        os.kill(engines1[0], 9)
+        t.join(30)
+        meta = box["r"].json()["meta_info"]
+        assert meta["finish_reason"]["type"] == "abort" and "node 1 (DP ranks 2-3)" in meta["finish_reason"]["message"]
+        assert nodes.node1.proc.wait(20) == 1
+        assert nodes.node0._server.proc.wait(20) not in (0, None)
+        assert not any(_alive(p) for p in engines1)
+    assert "exited with code -9" in nodes.node1_log
 
 
 def _processes_naming(text: str) -> list[int]:
