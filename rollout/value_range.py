@@ -1,13 +1,14 @@
 """The allowed values of a setting, and the one ValueError for a value outside them.
 
 Every config of the project (EngineConfig, SamplingParams, ServerArgs, TrainConfig and its
-LossConfig) checks its numbers and choices with these two functions, so that every refusal reads
-the same way, naming the field, what it allows and what it got:
+LossConfig) checks its numbers and choices with these functions (check_host_port for an address),
+so that every refusal reads the same way, naming the field, what it allows and what it got:
 
     dp_size must be an integer >= 1, got 0
     top_p must be a number in (0, 1], got 1.5
     mem_fraction_static must be a number in (0, 1] or None, got 0
     dtype must be one of ('auto', 'float32', 'bfloat16', 'float16'), got 'fp8'
+    dist_init_addr must be HOST:PORT with a port in [1, 65535], got 'node0'
 
 A bool is never a number here (True is not 1), and a float that is not finite is never in a range.
 """
@@ -76,3 +77,16 @@ def check_choice(name: str, value: Any, choices: Iterable[Any], *, or_none: bool
         return value
     raise error(f"{name} must be one of {choices}{' or None' if or_none else ''}{f' ({why})' if why else ''}, "
                 f"got {value!r}")
+
+
+def check_host_port(name: str, value: Any, *, error: type[ValueError] = ValueError) -> tuple[str, int]:
+    """(host, port) of "HOST:PORT" ("[v6]:PORT" for an IPv6 address), the port in [1, 65535]; else
+    `error` "NAME must be HOST:PORT with a port in [1, 65535], got VALUE"."""
+    allowed = "HOST:PORT with a port in [1, 65535]"
+    if isinstance(value, str) and ":" in value:
+        host, _, port = value.rpartition(":")
+        if host.startswith("[") and host.endswith("]"):
+            host = host[1:-1]
+        if host and port.isdigit() and not any(c in host for c in "/ @?#") and in_range(int(port), 1, 65535):
+            return host, int(port)
+    raise error(f"{name} must be {allowed}, got {value!r}")

@@ -60,6 +60,62 @@ class ServerProcess:
         self._server.log_path.unlink(missing_ok=True)
 
 
+class NodeProcess:
+    """`rollout-serve --node-rank R ...` (an engine-only node of a server that spans nodes: no HTTP)
+    in a process group of its own, its output in a temporary log; `netns`: run it inside that network
+    namespace (`ip netns exec`)."""
+
+    def __init__(self, flags: Sequence[str], *, netns: Optional[str] = None, env: Optional[dict] = None):
+        import os
+
+        self.flags = ["--log-level", "info", *flags]
+        self.netns = netns
+        self.env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+                    "OMP_NUM_THREADS": "2", **(env or {})}
+        self.proc = None
+        log = tempfile.NamedTemporaryFile("w", prefix="rollout-node-", suffix=".log", delete=False)
+        log.close()
+        self.log_path = Path(log.name)
+
+    def start(self) -> "NodeProcess":
+        import subprocess
+
+        wrap = ["ip", "netns", "exec", self.netns] if self.netns else []
+        with open(self.log_path, "w") as log:
+            self.proc = subprocess.Popen([*wrap, sys.executable, "-m", "rollout.server", *self.flags], cwd=str(ROOT),
+                                         env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        return self
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def kill_tree(self) -> None:
+        """SIGKILL to every process of its group (the launcher and its engines)."""
+        import os
+        import signal
+
+        os.killpg(self.proc.pid, signal.SIGKILL)
+
+    def stop(self, timeout: float = 20.0) -> None:
+        import os
+        import signal
+        import subprocess
+
+        if self.proc is not None:
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                pass
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.proc.wait(5)
+
+    def remove_log(self) -> None:
+        self.log_path.unlink(missing_ok=True)
+
+
 def wait_idle(client: httpx.Client, timeout: float = 30.0) -> dict:
     """Polls /v1/loads until nothing runs or waits; returns the load entry."""
     deadline = time.monotonic() + timeout

@@ -134,6 +134,10 @@ ENGINE_FLAGS_BEFORE = {
     "--quantization": (None, None, None, ("fp8",)),
     "--device": ("cpu", None, None, None),
     "--dp-size": (1, None, int, None),
+    "--nnodes": (1, None, int, None),
+    "--node-rank": (0, None, int, None),
+    "--dist-init-addr": (None, None, None, None),
+    "--dist-timeout": (300, None, int, None),
     "--cpu-threads": (None, None, int, None),
     "--cpu-reserve": (0, None, int, None),
     "--cpu-affinity": ([], "*", int, None),
@@ -214,6 +218,7 @@ ROUND_TRIP = [
                  enable_profile_graph_capture=True, profile_graph_capture_dir="/tmp/p", weight_version="v2",
                  stream_interval=3, max_running_requests=9, moe_backend="triton", attention_backend="flashinfer"),
     EngineConfig(chunked_prefill_size=1, moe_backend="torch", attention_backend="torch", dtype="float32"),
+    EngineConfig(dp_size=16, nnodes=2, node_rank=1, dist_init_addr="10.0.0.1:5000", dist_timeout=60),
 ]
 
 

@@ -150,6 +150,29 @@ def test_rollout_sbatch_two_servers_per_node_with_gpu_slices(slurm, tmp_path):
 
 
 @pytest.mark.slow
+def test_rollout_sbatch_one_server_spans_both_nodes(slurm, tmp_path):
+    """ROLLOUT_NODES_PER_SERVER=2: one server, --nnodes 2 over node1 (HTTP, DP rank 0) and node2
+    (DP rank 1), rendezvous at node1's address; both ranks answer with routing; clean exit."""
+    job_dir, out = tmp_path / "job", tmp_path / "rollout.out"
+    client = (f"{sys.executable} -c \"import os, httpx; (u,) = open(os.environ['ROLLOUT_SERVERS_FILE']).read().split(); "
+              "i = httpx.get(u + '/server_info').json(); "
+              "r = [httpx.post(u + '/generate', json={'input_ids': [5, 6, 7], 'routed_dp_rank': k, "
+              "'return_routed_experts': True, 'sampling_params': {'max_new_tokens': 3}}).json() for k in (0, 1)]; "
+              "print('client-saw', i['nnodes'], i['dp_size'], [x['meta_info']['completion_tokens'] for x in r], "
+              "all(x['meta_info']['routed_experts'] for x in r))\"")
+    job = slurm.sbatch(str(SCRIPTS / "rollout.sbatch"), "--nodes=2", f"--output={out}", cwd=str(ROOT),
+                       env=_env(job_dir, ROLLOUT_NODES_PER_SERVER="2", ROLLOUT_SMOKE_TEST="1", ROLLOUT_CLIENT_CMD=client,
+                                ROLLOUT_SERVE_ARGS="--enable-return-routed-experts --dp-size 2 --cpu-threads 1"))
+    text = _finish(slurm, job, out)
+    assert len((job_dir / "servers.txt").read_text().split()) == 1
+    assert "client-saw 2 2 [3, 3] True" in text, text
+    logs = {p.name: p.read_text() for p in job_dir.glob("server-*.log")}
+    assert "node_rank=0" in logs["server-0.log"] and "rollout-serve listening on" in logs["server-0.log"]
+    assert "node_rank=1" in logs["server-1.log"] and "node 1 (DP rank 1): the engines ended" in logs["server-1.log"]
+    assert (job_dir / "dist-0.addr").read_text().startswith("127.0.0.1:")
+
+
+@pytest.mark.slow
 def test_rollout_sbatch_scancel_stops_everything(slurm, tmp_path):
     """No client command: the job serves until cancelled; scancel stops every process."""
     job_dir, out = tmp_path / "job", tmp_path / "rollout.out"

@@ -15,7 +15,7 @@ from capture.buffer_sizing import ForwardShapeLimits
 from rollout.config.backends import ATTENTION_BACKENDS, MOE_BACKENDS, QUANTIZATIONS, check_attention_backend, default_attention_backend
 from rollout.config.flag import flag
 from rollout.config.speculative import DEFAULT_NUM_DRAFT_TOKENS, check_speculative, num_draft_tokens
-from rollout.value_range import check_choice, check_range
+from rollout.value_range import check_choice, check_host_port, check_range
 
 _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEFAULT_MODEL_PATH = os.path.join(_REPO, "configs", "tiny-moe")
@@ -24,6 +24,8 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 MAX_BUCKET_BYTES = 2**40
 DEFAULT_KV_CACHE_BYTES = 512 * 2**20
+DEFAULT_DIST_TIMEOUT_S = 300
+MAX_NODES = 1 << 12
 
 
 def _int_tuple(name: str, value: Any, *, minimum: int = 1) -> tuple[int, ...]:
@@ -96,6 +98,20 @@ class EngineConfig:
         type=int, aliases=("--data-parallel-size",),
         help="data-parallel engine ranks, one process each (on CUDA one GPU each), the routed experts "
              "sharded among them"))
+    # many nodes (SGLang's flags): one server's dp_size ranks spread evenly over nnodes nodes; node 0
+    # runs the HTTP front end and global ranks 0..k-1 (k = dp_size / nnodes), node R ranks R*k..;
+    # every rank meets at dist_init_addr, a TCP store node 0 hosts (rollout/ipc/rendezvous.py)
+    nnodes: int = field(default=1, metadata=flag(
+        type=int, help="nodes one server spans: node 0 serves HTTP and runs its share of the DP ranks, the other "
+                       "nodes only theirs (--dp-size counts the ranks of all nodes)"))
+    node_rank: int = field(default=0, metadata=flag(
+        type=int, help="this node's index, 0 .. nnodes-1 (node 0 serves HTTP)"))
+    dist_init_addr: Optional[str] = field(default=None, metadata=flag(
+        help="HOST:PORT on node 0 where the nodes meet (node 0 listens there); required when --nnodes > 1",
+        default_text="one node: a free loopback port"))
+    dist_timeout: int = field(default=DEFAULT_DIST_TIMEOUT_S, metadata=flag(
+        type=int, help="seconds every node has to join at startup (a node that has not is a startup error naming "
+                       "it)"))
     # CPU engines: torch intra-op threads of each engine process; None = the CPUs this process may
     # run on, shared out among the DP ranks (resolved_cpu_threads). Leave cores to the front end
     # and the caller's own work on small hosts (docs/architecture.md).
@@ -187,12 +203,24 @@ class EngineConfig:
                              f"{self.kv_cache_bytes} both size the KV cache: give one")
         check_range("context_length", self.context_length, 2, integer=True, or_none=True)
         check_range("dp_size", self.dp_size, 1, integer=True)
+        check_range("nnodes", self.nnodes, 1, MAX_NODES, integer=True)
+        check_range("node_rank", self.node_rank, 0, self.nnodes - 1, integer=True, why=f"nnodes={self.nnodes}")
+        check_range("dist_timeout", self.dist_timeout, 1, 86400, integer=True, why="seconds")
+        if self.dp_size % self.nnodes:
+            raise ValueError(f"dp_size must be a multiple of nnodes (an equal share of DP ranks per node), got "
+                             f"dp_size={self.dp_size}, nnodes={self.nnodes}")
+        if self.dist_init_addr is not None:
+            check_host_port("dist_init_addr", self.dist_init_addr)
+        elif self.nnodes > 1:
+            raise ValueError(f"dist_init_addr (HOST:PORT on node 0) is required when nnodes > 1, got nnodes="
+                             f"{self.nnodes} and dist_init_addr=None")
         check_range("cpu_threads", self.cpu_threads, 1, integer=True, or_none=True)
         check_range("cpu_reserve", self.cpu_reserve, 0, integer=True)
         object.__setattr__(self, "cpu_affinity", _int_tuple("cpu_affinity", self.cpu_affinity, minimum=0))
-        if len(self.cpu_affinity) % self.dp_size:
-            raise ValueError(f"cpu_affinity must list a multiple of dp_size={self.dp_size} CPUs (an equal part "
-                             f"per DP rank), got {len(self.cpu_affinity)}: {list(self.cpu_affinity)}")
+        if len(self.cpu_affinity) % self.local_dp_size:
+            per = f"dp_size={self.dp_size}" if self.nnodes == 1 else f"dp_size/nnodes={self.local_dp_size}"
+            raise ValueError(f"cpu_affinity must list a multiple of {per} CPUs (an equal part per DP rank of this "
+                             f"node), got {len(self.cpu_affinity)}: {list(self.cpu_affinity)}")
         check_range("max_capture_buffer_rows", self.max_capture_buffer_rows, 1, integer=True, or_none=True)
         if self.profile_graph_capture_dir is not None and (
                 not isinstance(self.profile_graph_capture_dir, str) or not self.profile_graph_capture_dir):
@@ -253,9 +281,10 @@ class EngineConfig:
 
         have = torch.cuda.device_count() if torch.cuda.is_available() else 0
         index = int(self.device.split(":")[1]) if ":" in self.device else 0
-        if self.dp_size > 1 and have < self.dp_size:
-            raise ValueError(f"dp_size={self.dp_size} on device={self.device!r} needs one GPU per DP rank "
-                             f"(rank r uses cuda:r), but {have} are visible")
+        if self.dp_size > 1 and have < self.local_dp_size:
+            raise ValueError(f"dp_size={self.dp_size} over nnodes={self.nnodes} on device={self.device!r} needs one GPU "
+                             f"per DP rank of this node ({self.local_dp_size}; its rank r uses cuda:r), but {have} "
+                             f"are visible")
         if index >= have:
             raise ValueError(f"device={self.device!r}: {have} CUDA GPU(s) visible, allowed range "
                              f"cuda:0..cuda:{have - 1}" if have else f"device={self.device!r}: no CUDA GPU is visible")
@@ -263,22 +292,43 @@ class EngineConfig:
     def replace(self, **changes: Any) -> "EngineConfig":
         return dataclasses.replace(self, **changes)
 
+    # ---- the ranks of this node -------------------------------------------------------------------
+    @property
+    def local_dp_size(self) -> int:
+        """DP ranks each node runs (dp_size / nnodes)."""
+        return self.dp_size // self.nnodes
+
+    @property
+    def local_ranks(self) -> range:
+        """The global DP ranks this node runs: node_rank * local_dp_size, ..."""
+        k = self.local_dp_size
+        return range(self.node_rank * k, (self.node_rank + 1) * k)
+
+    def node_of(self, rank: int) -> int:
+        """The node that runs global DP rank `rank`."""
+        return rank // self.local_dp_size
+
+    def local_rank(self, rank: int) -> int:
+        """Global DP rank `rank`'s index among its node's ranks (its cuda:N, its part of cpu_affinity)."""
+        return rank % self.local_dp_size
+
     def cpu_affinity_of(self, rank: int) -> tuple[int, ...]:
-        """The CPUs DP rank `rank` runs on: its part of cpu_affinity; () = not pinned."""
-        part = len(self.cpu_affinity) // self.dp_size
-        return self.cpu_affinity[rank * part:(rank + 1) * part]
+        """The CPUs global DP rank `rank` runs on: its node-local part of cpu_affinity; () = not pinned."""
+        part = len(self.cpu_affinity) // self.local_dp_size
+        local = self.local_rank(rank)
+        return self.cpu_affinity[local * part:(local + 1) * part]
 
     @property
     def resolved_cpu_threads(self) -> int:
         """torch intra-op threads of a CPU engine process: cpu_threads, else a rank's part of
         cpu_affinity, else the CPUs this process may run on (its affinity mask: SLURM and
-        containers narrow it) divided among the DP ranks."""
+        containers narrow it) divided among this node's DP ranks."""
         if self.cpu_threads is not None:
             return self.cpu_threads
         if self.cpu_affinity:
-            return len(self.cpu_affinity) // self.dp_size
+            return len(self.cpu_affinity) // self.local_dp_size
         usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        return max(1, usable // self.dp_size)
+        return max(1, usable // self.local_dp_size)
 
     @property
     def resolved_attention_backend(self) -> str:

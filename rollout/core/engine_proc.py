@@ -46,8 +46,10 @@ from rollout.host_malloc import bound_onednn_caches, trim_heap
 from rollout.ipc.control_values import PEER_FAILED   # NOTE: the front end replaces it with the dead rank's name and exit code
 from rollout.ipc.messages import (AbortReqs, AddReqs, Call, Fatal, FromEngine, Ready, Reply, ReqSpec, Shutdown,
                                   StepOut, ToEngine)
+from rollout.ipc.node_address import NodeAddress
 from rollout.ipc.transport import EngineSockets, pid_alive
 from rollout.sampling_params import SamplingParams
+from rollout.value_range import check_host_port
 
 COLLECTIVE_TIMEOUT = timedelta(seconds=600)
 logger = logging.getLogger(__name__)
@@ -212,24 +214,26 @@ class EngineLoop:
             self.endpoint.send(StepOut(updates=updates, replies=replies, steps=self.steps))
 
 
-def _join_dp_group(cfg: EngineConfig, rank: int, store_port: int) -> tuple[EngineConfig, Any]:
+def _join_dp_group(cfg: EngineConfig, rank: int, rendezvous: str) -> tuple[EngineConfig, Any]:
+    """Joins the DP group (every rank of every node) at the rendezvous store "host:port" as global
+    rank `rank`; on CUDA this rank runs on its node-local GPU."""
     import torch.distributed as dist  # noqa: PLC0415
 
     from rollout.models.moe.ep_group import EPGroup  # noqa: PLC0415
 
-    # NOTE: the ranks are processes of one host and talk over loopback; gloo (the CPU engines' group
-    # and every engine's host-value group) would otherwise bind the address the hostname resolves
-    # to. Set here, in the engine process only.
-    if sys.platform.startswith("linux"):
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    host, port = check_host_port("rendezvous", rendezvous)
+    # NOTE: gloo (the CPU engines' group and every engine's host-value group) would otherwise bind
+    # the address the hostname resolves to: it takes the interface this node reaches the rendezvous
+    # host on (`lo` on one node), unless GLOO_SOCKET_IFNAME is set. Set here, in the engine process only.
+    NodeAddress.toward(host).set_socket_interfaces()
     cuda = cfg.device.startswith("cuda")
     if cuda:
-        device = torch.device("cuda", rank)
+        device = torch.device("cuda", cfg.local_rank(rank))
         torch.cuda.set_device(device)
         cfg = cfg.replace(device=str(device))
     else:
         device = torch.device("cpu")
-    store = dist.TCPStore("127.0.0.1", store_port, is_master=False, timeout=COLLECTIVE_TIMEOUT)
+    store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=cfg.dist_timeout))
     dist.init_process_group("nccl" if cuda else "gloo", store=store, rank=rank, world_size=cfg.dp_size,
                             timeout=COLLECTIVE_TIMEOUT)
     # NOTE: host values (the step's shapes, StepSync's flags) over gloo: no device sync on the step path
@@ -238,9 +242,11 @@ def _join_dp_group(cfg: EngineConfig, rank: int, store_port: int) -> tuple[Engin
 
 
 def engine_main(config: dict, rank: int, to_engine_addr: str, from_engine_addr: str,
-                store_port: Optional[int], parent_pid: int, sentinel_fd: Optional[int] = None) -> None:
-    """sentinel_fd: the write end of the front end's exit pipe, held open (and never written)
-    for the life of this process."""
+                rendezvous: Optional[str], parent_pid: int, sentinel_fd: Optional[int] = None) -> None:
+    """rank: the global DP rank; rendezvous: the DP group's store "host:port" (None: one rank);
+    parent_pid: the front end's (or, on another node, its launcher's) pid: the loop ends when it is
+    gone. sentinel_fd: the write end of the parent's exit pipe, held open (and never written) for
+    the life of this process."""
     logging.basicConfig(level=os.environ.get("ROLLOUT_LOG_LEVEL", "WARNING"))
     sockets = EngineSockets(to_engine_addr, from_engine_addr)
     code = 0
@@ -254,7 +260,7 @@ def engine_main(config: dict, rank: int, to_engine_addr: str, from_engine_addr: 
         threads = None if cfg.device.startswith("cuda") else CpuThreads(cfg.resolved_cpu_threads, cfg.cpu_reserve)
         ep_group = sync = None
         if cfg.dp_size > 1:
-            cfg, ep_group = _join_dp_group(cfg, rank, store_port)
+            cfg, ep_group = _join_dp_group(cfg, rank, rendezvous)
             sync = StepSync(ep_group.meta_group)
         core = EngineCore(cfg, ep_group=ep_group, cpu_threads=threads)
         sockets.send(Ready(info={"kv_capacity": core.kv_capacity, "context_length": core.context_length,
@@ -293,5 +299,5 @@ def engine_main(config: dict, rank: int, to_engine_addr: str, from_engine_addr: 
 
 
 if __name__ == "__main__":
-    _cfg, _rank, _to, _from, _port, _parent, _fd = sys.argv[1:8]
-    engine_main(json.loads(_cfg), int(_rank), _to, _from, int(_port) or None, int(_parent), int(_fd))
+    _cfg, _rank, _to, _from, _store, _parent, _fd = sys.argv[1:8]
+    engine_main(json.loads(_cfg), int(_rank), _to, _from, None if _store == "-" else _store, int(_parent), int(_fd))

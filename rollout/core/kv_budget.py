@@ -34,12 +34,13 @@ def host_available_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def free_memory_bytes(device: torch.device, dp_size: int) -> int:
-    """The memory this rank may count as free: the GPU's free memory, or its share of the host's."""
+def free_memory_bytes(device: torch.device, ranks_on_host: int) -> int:
+    """The memory this rank may count as free: the GPU's free memory, or its share of the host's
+    (among the DP ranks of its node)."""
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return int(free)
-    return host_available_bytes() // dp_size
+    return host_available_bytes() // ranks_on_host
 
 
 @dataclass(frozen=True)
@@ -54,7 +55,7 @@ class KVBudget:
         """Measured before the model loads (the weights are counted after: bytes_after_load)."""
         if cfg.mem_fraction_static is None:
             return cls(str(device), cfg.kv_cache_bytes or DEFAULT_KV_CACHE_BYTES)
-        return cls(str(device), 0, cfg.mem_fraction_static, free_memory_bytes(device, cfg.dp_size))
+        return cls(str(device), 0, cfg.mem_fraction_static, free_memory_bytes(device, cfg.local_dp_size))
 
     def bytes_after_load(self, model: torch.nn.Module, bytes_per_slot: int) -> int:
         """The KV cache's bytes, given the loaded model; ValueError naming mem_fraction_static when its

@@ -1,10 +1,16 @@
 """ProcessClient: the engine in processes of its own (one per DP rank), over ZMQ.
 
-One receiver thread reads every rank's messages and watches every rank's process: updates go
-to the front end's callback, replies resolve the waiting calls. A rank that dies (crash, kill)
-is noticed at once through its process sentinel; the other ranks get a short grace period to
-deliver what they send on the way down (the partial outputs of their aborted requests), then
-the front end hears `on_dead` and every waiting call raises EngineDeadError.
+The ranks meet at a rendezvous store this front end hosts (rollout/ipc/rendezvous.py). With
+nnodes > 1 the front end runs on node 0 and starts node 0's ranks; the other nodes' launchers
+(rollout/frontend/engine_node.py) start theirs, which connect over tcp:// to endpoints published
+in the store. Every rank is driven the same way whichever node runs it.
+
+One receiver thread reads every rank's messages and watches every rank: a rank of this node
+through its process sentinel, a rank of another node through its connection. Updates go to the
+front end's callback, replies resolve the waiting calls. A rank that dies (crash, kill, a lost
+node) is noticed at once; the other ranks get a short grace period to deliver what they send on
+the way down (the partial outputs of their aborted requests), then the front end hears `on_dead`
+and every waiting call raises EngineDeadError.
 """
 from __future__ import annotations
 
@@ -12,9 +18,6 @@ import dataclasses
 import json
 import logging
 import os
-import signal
-import subprocess
-import sys
 import threading
 import time
 from typing import Any, Optional
@@ -23,78 +26,27 @@ import zmq
 
 from rollout.config import EngineConfig
 from rollout.frontend.engine_client import DeadCallback, EngineDeadError, PendingCalls, UpdatesCallback
+from rollout.frontend.engine_process import EngineProcess
+from rollout.ipc.control_values import PEER_FAILED
 from rollout.ipc.messages import AbortReqs, AddReqs, Call, Fatal, Ready, ReqSpec, Shutdown, StepOut
+from rollout.ipc.node_address import NodeAddress
+from rollout.ipc.rendezvous import Rendezvous
 from rollout.ipc.temp_dirs import remove_dirs_of, remove_stale_dirs
 from rollout.ipc.transport import FrontSockets, IpcDirectory
-from rollout.ipc.control_values import PEER_FAILED
 
 logger = logging.getLogger(__name__)
-
-
-PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-class EngineProcess:
-    """One engine process: `python -m rollout.core.engine_proc` with its settings as JSON.
-
-    NOTE: a plain subprocess, not multiprocessing: spawn and forkserver re-run the caller's
-    __main__ in the child, so a script without an `if __name__ == "__main__"` guard would start
-    engines recursively. `sentinel` is the read end of a pipe whose only writer is the child:
-    it becomes readable (EOF) when the child exits, however it exits.
-    """
-
-    def __init__(self, args: list[str], rank: int):
-        read, write = os.pipe()
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (PACKAGE_ROOT, env.get("PYTHONPATH")) if p)
-        # NOTE: the child inherits the signal mask: with SIGINT blocked while it is made, a Ctrl-C in its
-        # first moments (before engine_proc ignores SIGINT and unblocks it) is dropped, not a
-        # KeyboardInterrupt traceback from its interpreter's startup
-        mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-        try:
-            self.proc = subprocess.Popen([sys.executable, "-m", "rollout.core.engine_proc", *args, str(write)],
-                                         pass_fds=(write,), env=env, close_fds=True)
-        finally:
-            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
-        os.close(write)
-        self.sentinel = read
-        self.rank = rank
-        self.pid = self.proc.pid
-
-    @property
-    def exitcode(self) -> Optional[int]:
-        return self.proc.poll()
-
-    def is_alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def join(self, timeout: float) -> None:
-        try:
-            self.proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            pass
-
-    def terminate(self) -> None:
-        if self.is_alive():
-            self.proc.terminate()
-
-    def kill(self) -> None:
-        if self.is_alive():
-            self.proc.kill()
-
-    def close(self) -> None:
-        try:
-            os.close(self.sentinel)
-        except OSError:
-            pass
 
 
 class ProcessClient:
     STARTUP_TIMEOUT_S = 600.0
     STOP_TIMEOUT_S = 10.0
+    FAILED_START_STOP_S = 1.0   # a failed startup: the ranks still loading or joining cannot take Shutdown
     DEATH_GRACE_S = 2.0       # how long the other ranks may still deliver after one died
 
     def __init__(self, cfg: EngineConfig, on_updates: UpdatesCallback, on_dead: DeadCallback):
+        if cfg.node_rank != 0:
+            raise ValueError(f"node_rank must be 0 for the front end (node 0 serves; node {cfg.node_rank} runs only "
+                             f"its engine processes: `rollout-serve --node-rank {cfg.node_rank}`), got {cfg.node_rank}")
         self.cfg = cfg
         self.dp_size = cfg.dp_size
         self._on_updates = on_updates
@@ -107,26 +59,36 @@ class ProcessClient:
         self._steps = [0] * self.dp_size
         self._closed = False
         self._ctx = zmq.Context()
+        self._gone: dict[int, float] = {}               # rank of another node -> when its connection closed
+        self._stop_timeout_s = self.STOP_TIMEOUT_S
         remove_stale_dirs()
         self._dir = IpcDirectory()
-        self._sockets = [FrontSockets(self._ctx, self._dir.path, r) for r in range(self.dp_size)]
-        store_port = None
-        self._store = None
-        if self.dp_size > 1:
-            import torch.distributed as dist  # noqa: PLC0415
-
-            # NOTE: the DP rendezvous store listens on a port the OS picks (port 0), in this process
-            self._store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-            store_port = self._store.port
-        config = json.dumps({f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)})
+        self._sockets: list[FrontSockets] = []
         self._procs: list[EngineProcess] = []
+        self._rendezvous: Optional[Rendezvous] = None
         try:
-            for rank, socks in enumerate(self._sockets):
-                self._procs.append(EngineProcess(
-                    [config, str(rank), socks.to_engine_addr, socks.from_engine_addr, str(store_port or 0),
-                     str(os.getpid())], rank))
+            if self.dp_size > 1:
+                # NOTE: the DP rendezvous store listens in this process: at --dist-init-addr, or on one
+                # node at a loopback port the OS picks
+                self._rendezvous = Rendezvous.hosted(cfg)
+                self._rendezvous.announce_node(cfg.node_rank)
+            remote = NodeAddress.toward(self._rendezvous.host) if cfg.nnodes > 1 else None
+            for rank in range(self.dp_size):
+                if rank in cfg.local_ranks:
+                    socks = FrontSockets(self._ctx, f"ipc://{self._dir.path}/r{rank}")
+                else:
+                    socks = FrontSockets(self._ctx, remote.zmq_endpoint())
+                    self._rendezvous.publish_endpoints(rank, socks.to_engine_addr, socks.from_engine_addr)
+                self._sockets.append(socks)
+            config = json.dumps({f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)})
+            store = self._rendezvous.address if self._rendezvous is not None else None
+            for rank in cfg.local_ranks:
+                socks = self._sockets[rank]
+                self._procs.append(EngineProcess(config, rank, socks.to_engine_addr, socks.from_engine_addr, store,
+                                                 os.getpid()))
             ready = self._await_ready()
         except BaseException:
+            self._stop_timeout_s = self.FAILED_START_STOP_S
             self.close()
             raise
         self.kv_capacity = min(r["kv_capacity"] for r in ready)
@@ -136,16 +98,26 @@ class ProcessClient:
 
     # ---- startup -----------------------------------------------------------------------------
     def _await_ready(self) -> list[dict]:
+        cfg = self.cfg
         poller = zmq.Poller()
         for s in self._sockets:
             poller.register(s.pull, zmq.POLLIN)
         for p in self._procs:
             poller.register(p.sentinel, zmq.POLLIN)
         ready: dict[int, dict] = {}
-        deadline = time.monotonic() + self.STARTUP_TIMEOUT_S
+        start = time.monotonic()
+        deadline = start + self.STARTUP_TIMEOUT_S
+        others = [n for n in range(cfg.nnodes) if n != cfg.node_rank]
         while len(ready) < self.dp_size:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"engine did not start within {self.STARTUP_TIMEOUT_S:.0f} s")
+            if others:
+                joined = self._rendezvous.nodes_joined(others)
+                others = [n for n in others if n not in joined]
+                if others and time.monotonic() - start > cfg.dist_timeout:
+                    raise RuntimeError(f"{_nodes_text(cfg, others)} did not join the rendezvous at "
+                                       f"{self._rendezvous.address} within {cfg.dist_timeout} s (--dist-timeout): "
+                                       f"start `rollout-serve` there with the same flags and --node-rank")
             events = dict(poller.poll(500))
             for rank, s in enumerate(self._sockets):
                 if s.pull in events:
@@ -154,9 +126,11 @@ class ProcessClient:
                         raise _startup_error(msg.traceback)
                     assert isinstance(msg, Ready), msg
                     ready[rank] = msg.info
-            for rank, p in enumerate(self._procs):
-                if p.sentinel in events and rank not in ready and not self._sockets[rank].pull.poll(0):
-                    raise RuntimeError(f"engine rank {rank} exited during startup with code {p.exitcode}")
+                if s.gone() and rank not in ready:
+                    raise RuntimeError(f"{_nodes_text(cfg, [cfg.node_of(rank)])}: DP rank {rank} left during startup")
+            for p in self._procs:
+                if p.sentinel in events and p.rank not in ready and not self._sockets[p.rank].pull.poll(0):
+                    raise RuntimeError(f"engine rank {p.rank} exited during startup with code {p.exitcode}")
         return [ready[r] for r in range(self.dp_size)]
 
     # ---- the receiver thread -------------------------------------------------------------------
@@ -164,7 +138,9 @@ class ProcessClient:
         poller = zmq.Poller()
         for s in self._sockets:
             poller.register(s.pull, zmq.POLLIN)
-        sentinels = {p.sentinel: r for r, p in enumerate(self._procs)}
+            if s.monitor is not None:
+                poller.register(s.monitor, zmq.POLLIN)
+        sentinels = {p.sentinel: p.rank for p in self._procs}
         for fd in sentinels:
             poller.register(fd, zmq.POLLIN)
         fatal: list[str] = []
@@ -173,6 +149,13 @@ class ProcessClient:
         try:
             while not self._closed:
                 events = dict(poller.poll(200))
+                # NOTE: lost connections first: the survivors' aborts (PEER_FAILED) then name the lost node
+                for rank, s in enumerate(self._sockets):
+                    if s.monitor is not None and s.monitor in events and s.gone() and rank not in dead_ranks:
+                        poller.unregister(s.monitor)
+                        self._gone[rank] = time.monotonic()
+                        dead_ranks.append(rank)
+                        died_at = died_at or time.monotonic()
                 for rank, s in enumerate(self._sockets):
                     if s.pull in events:
                         while True:
@@ -214,15 +197,13 @@ class ProcessClient:
             self._calls.resolve(reply, rank)
 
     def _die(self, dead_ranks: list[int], fatal: list[str]) -> None:
-        parts = []
-        for rank in dead_ranks:
-            p = self._procs[rank]
-            p.join(timeout=1.0)
-            parts.append(f"DP rank {rank} died (exit code {p.exitcode})" if self.dp_size > 1
-                         else f"engine process exited with code {p.exitcode}")
+        for p in self._procs:
+            if p.rank in dead_ranks:
+                p.join(timeout=1.0)
+        parts = [self._dead_ranks_text(dead_ranks)] if dead_ranks else []
         if fatal:
             parts.append(fatal[0].strip().splitlines()[-1])
-        reason = "; ".join(parts) or "engine stopped"
+        reason = "; ".join(p for p in parts if p) or "engine stopped"
         with self._lock:
             if self._dead is not None:
                 return
@@ -231,16 +212,25 @@ class ProcessClient:
         self._on_dead(reason)
         threading.Thread(target=self._stop_procs, daemon=True).start()
 
-    def _dead_ranks_text(self) -> str:
-        """The ranks that exited (a survivor aborts only after its peer is gone)."""
-        return "; ".join(f"DP rank {p.rank} died (exit code {p.exitcode})" for p in self._procs
-                         if p.exitcode is not None)
+    def _dead_ranks_text(self, ranks: Optional[list[int]] = None) -> str:
+        """The ranks that exited (a survivor aborts only after its peer is gone): this node's by their
+        exit codes, another node's as that node gone. ranks: those to name (default: every one gone)."""
+        parts = []
+        for p in self._procs:
+            if p.exitcode is not None and (ranks is None or p.rank in ranks):
+                parts.append(f"DP rank {p.rank} died (exit code {p.exitcode})" if self.dp_size > 1
+                             else f"engine process exited with code {p.exitcode}")
+        lost = sorted(r for r in self._gone if ranks is None or r in ranks)
+        nodes = sorted({self.cfg.node_of(r) for r in lost})
+        for node in nodes:
+            parts.append(f"{_nodes_text(self.cfg, [node])} is gone (its connection closed)")
+        return "; ".join(parts)
 
     # ---- EngineClient ------------------------------------------------------------------------
     @property
     def dead_reason(self) -> Optional[str]:
         """Set from the moment any rank has exited (the others may still be delivering)."""
-        if self._dead is None and any(p.exitcode is not None for p in self._procs):
+        if self._dead is None and (self._gone or any(p.exitcode is not None for p in self._procs)):
             return self._dead_ranks_text() or "an engine rank exited"
         return self._dead
 
@@ -300,12 +290,13 @@ class ProcessClient:
 
     # ---- lifecycle ---------------------------------------------------------------------------
     def _stop_procs(self) -> None:
+        # NOTE: another node's ranks get Shutdown too; its launcher ends when they have exited
         for s in self._sockets:
             try:
                 s.send(Shutdown())
             except zmq.ZMQError:
                 pass   # NOTE: closed already
-        deadline = time.monotonic() + self.STOP_TIMEOUT_S
+        deadline = time.monotonic() + self._stop_timeout_s
         for p in self._procs:
             p.join(timeout=max(0.0, deadline - time.monotonic()))
         for p in self._procs:
@@ -335,6 +326,8 @@ class ProcessClient:
             p.close()
         self._ctx.destroy(linger=0)   # NOTE: not term(): it would wait for any socket left open
         self._dir.close()
+        if self._rendezvous is not None:
+            self._rendezvous.close()
 
 
 class DPClient(ProcessClient):
@@ -346,6 +339,14 @@ class DPClient(ProcessClient):
         if pinned is not None:
             return pinned
         return min(range(self.dp_size), key=lambda r: (self._load[r], r))
+
+
+def _nodes_text(cfg: EngineConfig, nodes: list[int]) -> str:
+    """"node 1 (DP ranks 2-3)", "nodes 1, 2 (DP ranks 2-5)": how a message names other nodes."""
+    ranks = [r for n in sorted(nodes) for r in range(n * cfg.local_dp_size, (n + 1) * cfg.local_dp_size)]
+    span = f"{ranks[0]}-{ranks[-1]}" if len(ranks) > 1 else f"{ranks[0]}"
+    word = "node" if len(nodes) == 1 else "nodes"
+    return f"{word} {', '.join(map(str, sorted(nodes)))} (DP rank{'s' if len(ranks) > 1 else ''} {span})"
 
 
 def _startup_error(text: str) -> BaseException:

@@ -1,9 +1,13 @@
-"""ZMQ transport between the front end and engine processes (PUSH/PULL over ipc:// sockets).
+"""ZMQ transport between the front end and engine processes (PUSH/PULL).
 
-The front end binds, the engine connects. Socket files live in a private temporary directory
-named after the front end's pid; nothing listens on a TCP port. ZMQ sockets are not thread-safe:
-FrontSockets.send takes a lock (callers send from several threads); only the front end's
-receiver thread reads `pull`.
+The front end binds, the engine connects. A rank of the front end's own node talks over ipc://
+socket files in a private temporary directory named after the front end's pid; a rank of another
+node over tcp:// on the front end's address toward the rendezvous host, on ports the OS picks
+(published through the rendezvous store: rollout/ipc/rendezvous.py). Over tcp:// both ends send
+ZMTP heartbeats, and the front end watches its sockets' connections (`gone()`): a peer process
+that dies closes them at once, a silent node is dropped after HEARTBEAT_TIMEOUT_MS. ZMQ sockets
+are not thread-safe: FrontSockets.send takes a lock (callers send from several threads); only the
+front end's receiver thread reads `pull` and the monitor.
 """
 from __future__ import annotations
 
@@ -14,6 +18,7 @@ import threading
 from typing import Optional
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from rollout.ipc.messages import Codec, FromEngine, ToEngine
 
@@ -29,25 +34,37 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
-def _socket(ctx: zmq.Context, kind: int) -> zmq.Socket:
+HEARTBEAT_IVL_MS = 1000
+HEARTBEAT_TIMEOUT_MS = 10000
+
+
+def _socket(ctx: zmq.Context, kind: int, endpoint: str) -> zmq.Socket:
     sock = ctx.socket(kind)
     sock.setsockopt(zmq.LINGER, 0)
     # NOTE: no high-water mark: a full queue would block the engine loop (or drop messages)
     sock.setsockopt(zmq.SNDHWM, 0)
     sock.setsockopt(zmq.RCVHWM, 0)
+    if endpoint.startswith("tcp://"):
+        sock.setsockopt(zmq.IPV6, 1)
+        sock.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_IVL_MS)
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
     return sock
 
 
 class FrontSockets:
-    """The front end's ends of one engine process's two channels."""
+    """The front end's ends of one engine process's two channels, bound on `endpoint`: an ipc://
+    path prefix ("-in" and "-out" are added) or "tcp://ADDRESS:*" (the OS picks the ports)."""
 
-    def __init__(self, ctx: zmq.Context, directory: str, rank: int):
-        self.to_engine_addr = f"ipc://{directory}/r{rank}-in"
-        self.from_engine_addr = f"ipc://{directory}/r{rank}-out"
-        self.push = _socket(ctx, zmq.PUSH)
-        self.push.bind(self.to_engine_addr)
-        self.pull = _socket(ctx, zmq.PULL)
-        self.pull.bind(self.from_engine_addr)
+    def __init__(self, ctx: zmq.Context, endpoint: str):
+        self.remote = endpoint.startswith("tcp://")
+        self.push = _socket(ctx, zmq.PUSH, endpoint)
+        self.pull = _socket(ctx, zmq.PULL, endpoint)
+        # NOTE: the engine's connection to its PULL socket closes when the engine process or its node is gone
+        self.monitor = self.pull.get_monitor_socket(zmq.EVENT_DISCONNECTED) if self.remote else None
+        self.push.bind(endpoint if self.remote else endpoint + "-in")
+        self.pull.bind(endpoint if self.remote else endpoint + "-out")
+        self.to_engine_addr = self.push.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.from_engine_addr = self.pull.getsockopt_string(zmq.LAST_ENDPOINT)
         self._lock = threading.Lock()
         self._codec = Codec()
         self.decoder = Codec().from_engine   # the receiver thread's own
@@ -62,7 +79,19 @@ class FrontSockets:
                 return False
         return True
 
+    def gone(self) -> bool:
+        """Whether the engine's connection closed since the last look (tcp:// only; never blocks)."""
+        if self.monitor is None:
+            return False
+        closed = False
+        while self.monitor.poll(0):
+            closed = recv_monitor_message(self.monitor)["event"] == zmq.EVENT_DISCONNECTED or closed
+        return closed
+
     def close(self) -> None:
+        if self.monitor is not None:
+            self.pull.disable_monitor()
+            self.monitor.close(linger=0)
         self.push.close(linger=0)
         self.pull.close(linger=0)
 
@@ -82,9 +111,9 @@ class EngineSockets:
 
     def __init__(self, to_engine_addr: str, from_engine_addr: str):
         self.ctx = zmq.Context()
-        self.pull = _socket(self.ctx, zmq.PULL)
+        self.pull = _socket(self.ctx, zmq.PULL, to_engine_addr)
         self.pull.connect(to_engine_addr)
-        self.push = _socket(self.ctx, zmq.PUSH)
+        self.push = _socket(self.ctx, zmq.PUSH, from_engine_addr)
         self.push.connect(from_engine_addr)
         self._codec = Codec()
 

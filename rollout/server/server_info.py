@@ -50,13 +50,14 @@ class ServerInfo:
             "enable_return_routed_experts": engine.config.enable_return_routed_experts}
 
     def sglang_args(self) -> dict[str, Any]:
-        """This server's settings under SGLang's ServerArgs names (single process: tp = pp = 1)."""
+        """This server's settings under SGLang's ServerArgs names (tp = pp = 1)."""
         a, e = self.args, self.args.engine
         return {
             "model_path": e.model_path, "tokenizer_path": e.tokenizer_path or e.model_path,
             "served_model_name": a.model_name, "host": a.host, "port": a.port, "dtype": e.dtype, "device": e.device,
             "tp_size": 1, "pp_size": 1, "dp_size": e.dp_size, "ep_size": e.dp_size,
-            "enable_dp_attention": e.dp_size > 1,
+            "enable_dp_attention": e.dp_size > 1, "nnodes": e.nnodes, "node_rank": e.node_rank,
+            "dist_init_addr": e.dist_init_addr, "dist_timeout": e.dist_timeout,
             # NOTE: SGLang's default; slime's external-engine start-up requires it equal to its
             # --offload-rollout (false unless given). /release_memory_occupation works either way.
             "enable_memory_saver": False,
@@ -80,7 +81,7 @@ class ServerInfo:
         capture = f"routed-expert capture {rows} rows{per_rank}" if rows else "routed-expert capture off"
         return (f"ready: model {cfg.model_path} ({engine.info.architecture}, {dtype}), KV cache "
                 f"{engine.kv_capacity} tokens{per_rank}, context {engine.context_length}, {capture}, "
-                f"dp {cfg.dp_size}, serving {url}")
+                f"dp {cfg.dp_size}{f' over {cfg.nnodes} nodes' if cfg.nnodes > 1 else ''}, serving {url}")
 
     def server_info(self, stats: dict, loads: list[dict]) -> dict[str, Any]:
         internal = [{**stats, "dp_rank": ld["dp_rank"], "load": ld,

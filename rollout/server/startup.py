@@ -1,7 +1,8 @@
 """rollout-serve's startup, up to the app: the flags, the port, the model directory; each failure is
 one line on stderr, never a traceback: a bad flag exits 2, a failure to start 1 (a taken port, a
 missing model directory or a Hub id, an engine that cannot load), and Ctrl-C before the server is
-up 130, as after. The port is bound and the model directory checked before torch is imported, so
+up 130, as after. Node R > 0 of a server that spans nodes binds no port: it starts its engine
+processes (serve_node). The port is bound and the model directory checked before torch is imported, so
 these fail in a second."""
 from __future__ import annotations
 
@@ -65,9 +66,34 @@ def _load(args: ServerArgs) -> Callable[[ServerArgs, socket.socket], None]:
     return serve
 
 
+def serve_node(args: ServerArgs) -> NoReturn:
+    """`--node-rank R > 0`: this node's engine processes only, no HTTP (rollout/frontend/engine_node.py);
+    exits when they have ended: 0 after the server stopped them, 1 when one failed."""
+    import logging  # noqa: PLC0415
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        check_model_dir(args.engine.model_path, "--model-path")
+    except ValueError as exc:
+        raise StartupError(str(exc)) from None
+    from rollout.frontend.engine_node import EngineNode  # noqa: PLC0415
+
+    node = EngineNode(args.engine)
+    try:
+        code = node.run()
+    except (ValueError, OSError, RuntimeError) as exc:
+        raise StartupError(f"{node.name}: {exc}") from None
+    if code:
+        _exit(code, f"error: {node.name}: {node.message or 'an engine failed'}")
+    print(f"{PROG}: {node.name}: the engines ended", file=sys.stderr, flush=True)
+    sys.exit(0)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> None:
     try:
         args = ServerArgs.from_cli(argv)
+        if args.engine.node_rank > 0:
+            serve_node(args)
         # NOTE: bound before the model loads: a taken port fails in a second, not after the load
         sock = bind(args.host, args.port)
         try:

@@ -9,6 +9,7 @@
 : "${ROLLOUT_SERVE_ARGS=--enable-return-routed-experts}"    # extra rollout-serve flags (after the config's; may be empty)
 : "${ROLLOUT_SERVERS_PER_NODE:=1}"             # one server per node, or one per DP group of GPUs
 : "${ROLLOUT_GPUS_PER_SERVER:=}"               # set with SERVERS_PER_NODE>1: CUDA_VISIBLE_DEVICES slice per server
+: "${ROLLOUT_NODES_PER_SERVER:=1}"             # nodes one server spans (--nnodes); its --dp-size counts them all
 : "${ROLLOUT_SRUN_ARGS:=}"                    # extra srun flags for the server step (e.g. --gpus-per-task=4)
 : "${ROLLOUT_BIND_HOST:=0.0.0.0}"              # the servers' bind address (reached by node name)
 : "${ROLLOUT_API_KEY:=}"                       # passed as --api-key when set
@@ -89,53 +90,81 @@ except Exception:
 }
 
 # rollout_start_servers NODELIST: one srun step, ROLLOUT_SERVERS_PER_NODE tasks per node, each a
-# rollout-serve on a free port (--port 0: the server binds, then prints its port; no race).
+# rollout-serve on a free port (--port 0: the server binds, then prints its port; no race). With
+# ROLLOUT_NODES_PER_SERVER=N > 1, every N consecutive nodes run one server (--nnodes N): the first
+# of them (--node-rank 0) serves HTTP and hosts the rendezvous at its NodeAddr on a port it picks,
+# written to $ROLLOUT_JOB_DIR/dist-<server>.addr, which the others read (--dist-init-addr).
 rollout_start_servers() {
-    local nodelist=$1 nnodes flags=() config_flags serve_cmd=()
+    local nodelist=$1 nnodes flags=() config_flags serve_cmd=() per=$ROLLOUT_NODES_PER_SERVER addrs="" node
     read -r -a serve_cmd <<< "$ROLLOUT_SERVE"
     nnodes=$(scontrol show hostnames "$nodelist" | wc -l)
+    if [ "$per" -lt 1 ] || [ $((nnodes % per)) -ne 0 ] || { [ "$per" -gt 1 ] && [ "$ROLLOUT_SERVERS_PER_NODE" -ne 1 ]; }; then
+        rollout_log "error: ROLLOUT_NODES_PER_SERVER=$per must divide the $nnodes server node(s)" \
+                    "(and needs ROLLOUT_SERVERS_PER_NODE=1, got $ROLLOUT_SERVERS_PER_NODE)"
+        return 1
+    fi
+    if [ "$per" -gt 1 ]; then
+        for node in $(scontrol show hostnames "$nodelist"); do addrs+="$(rollout_node_addr "$node") "; done
+    fi
     mkdir -p "$ROLLOUT_JOB_DIR"
-    rm -f "$ROLLOUT_JOB_DIR"/server-*.log "$ROLLOUT_SERVERS_FILE"
+    rm -f "$ROLLOUT_JOB_DIR"/server-*.log "$ROLLOUT_JOB_DIR"/dist-*.addr "$ROLLOUT_SERVERS_FILE"
     if [ -n "$ROLLOUT_ENGINE_CONFIG" ]; then
         config_flags=$("$ROLLOUT_PYTHON" -W ignore -m rollout.config --flags "$ROLLOUT_ENGINE_CONFIG") || return 1
         eval "flags=($config_flags)"
     fi
     # shellcheck disable=SC2206
-    flags+=($ROLLOUT_SERVE_ARGS --host "$ROLLOUT_BIND_HOST" --port 0)
+    flags+=($ROLLOUT_SERVE_ARGS --host "$ROLLOUT_BIND_HOST")
     [ -n "$ROLLOUT_API_KEY" ] && flags+=(--api-key "$ROLLOUT_API_KEY")
     [ -n "$ROLLOUT_ADMIN_API_KEY" ] && flags+=(--admin-api-key "$ROLLOUT_ADMIN_API_KEY")
-    rollout_log "starting $ROLLOUT_SERVERS_PER_NODE server(s) per node on $nodelist: ${serve_cmd[*]} ${flags[*]}"
+    rollout_log "starting $ROLLOUT_SERVERS_PER_NODE server(s) per node on $nodelist" \
+                "$([ "$per" -gt 1 ] && echo "($per nodes per server)"): ${serve_cmd[*]} ${flags[*]}"
     # Each task: pick its GPU slice (when asked), then run the server; a server that exits on its
     # own (rollout-serve exits non-zero when its engine dies) is started again on the port it had,
-    # so the trainer's server list stays valid. SIGTERM/SIGINT end the task (and its server).
+    # so the trainer's server list stays valid (an engine-only node of a server that spans nodes is
+    # started again whenever it ends, to rejoin its restarted node 0). SIGTERM/SIGINT end the task
+    # (and its server).
     # shellcheck disable=SC2086
     srun $ROLLOUT_SRUN_ARGS --nodes="$nnodes" --nodelist="$nodelist" --ntasks-per-node="$ROLLOUT_SERVERS_PER_NODE" \
          --ntasks=$((nnodes * ROLLOUT_SERVERS_PER_NODE)) --overlap --kill-on-bad-exit=0 \
          --output="$ROLLOUT_JOB_DIR/server-%t.log" --error="$ROLLOUT_JOB_DIR/server-%t.log" \
          env ROLLOUT_JOB_DIR="$ROLLOUT_JOB_DIR" ROLLOUT_MAX_RESTARTS="$ROLLOUT_MAX_RESTARTS" \
-             ROLLOUT_GPUS_PER_SERVER="${ROLLOUT_GPUS_PER_SERVER:-}" \
+             ROLLOUT_GPUS_PER_SERVER="${ROLLOUT_GPUS_PER_SERVER:-}" ROLLOUT_NODES_PER_SERVER="$per" \
+             ROLLOUT_NODE_ADDRS="$addrs" ROLLOUT_PYTHON="$ROLLOUT_PYTHON" \
          bash -c 'if [ -n "$ROLLOUT_GPUS_PER_SERVER" ]; then
                       first=$((SLURM_LOCALID * ROLLOUT_GPUS_PER_SERVER))
                       CUDA_VISIBLE_DEVICES=$(seq -s, "$first" $((first + ROLLOUT_GPUS_PER_SERVER - 1)))
                       export CUDA_VISIBLE_DEVICES
                   fi
-                  echo "rollout-task node=$SLURMD_NODENAME localid=$SLURM_LOCALID gpus=${CUDA_VISIBLE_DEVICES:-all}"
+                  node_rank=0; node_flags=()
+                  if [ "$ROLLOUT_NODES_PER_SERVER" -gt 1 ]; then
+                      read -r -a addrs <<< "$ROLLOUT_NODE_ADDRS"
+                      server=$((SLURM_PROCID / ROLLOUT_NODES_PER_SERVER)); node_rank=$((SLURM_PROCID % ROLLOUT_NODES_PER_SERVER))
+                      dist="$ROLLOUT_JOB_DIR/dist-$server.addr"
+                      if [ "$node_rank" = 0 ]; then
+                          head=${addrs[$SLURM_PROCID]}; case "$head" in *:*) head="[$head]" ;; esac
+                          port=$("$ROLLOUT_PYTHON" -c "import socket; s = socket.socket(); s.bind((\"\", 0)); print(s.getsockname()[1])")
+                          echo "$head:$port" > "$dist.tmp" && mv "$dist.tmp" "$dist"
+                      fi
+                      while [ ! -s "$dist" ]; do sleep 0.5; done
+                      node_flags=(--nnodes "$ROLLOUT_NODES_PER_SERVER" --node-rank "$node_rank" --dist-init-addr "$(cat "$dist")")
+                  fi
+                  echo "rollout-task node=$SLURMD_NODENAME localid=$SLURM_LOCALID node_rank=$node_rank gpus=${CUDA_VISIBLE_DEVICES:-all}"
                   log="$ROLLOUT_JOB_DIR/server-${SLURM_PROCID:-0}.log"
                   stop=0; trap "stop=1; kill -TERM \$child 2>/dev/null" TERM INT
                   port=0; restarts=0
                   while :; do
-                      "$@" --port "$port" & child=$!
+                      "$@" "${node_flags[@]}" --port "$port" & child=$!
                       wait "$child"; rc=$?
                       [ "$stop" = 1 ] && wait "$child" 2>/dev/null
-                      if [ "$stop" = 1 ] || [ "$rc" = 0 ] || [ "$restarts" -ge "$ROLLOUT_MAX_RESTARTS" ]; then exit "$rc"; fi
-                      port=$(sed -n "s/.*rollout-serve listening on http:.*:\([0-9][0-9]*\)$/\1/p" "$log" | tail -n 1)
+                      if [ "$stop" = 1 ] || { [ "$rc" = 0 ] && [ "$node_rank" = 0 ]; } || [ "$restarts" -ge "$ROLLOUT_MAX_RESTARTS" ]; then exit "$rc"; fi
+                      [ "$node_rank" = 0 ] && port=$(sed -n "s/.*rollout-serve listening on http:.*:\([0-9][0-9]*\)$/\1/p" "$log" | tail -n 1)
                       restarts=$((restarts + 1))
                       echo "rollout-task: rollout-serve exited with $rc; restart $restarts on port ${port:=0}"
                       sleep 1
                   done' rollout-task "${serve_cmd[@]}" "${flags[@]}" &
     ROLLOUT_SERVER_STEP_PID=$!
     rollout_track "$ROLLOUT_SERVER_STEP_PID" srun
-    ROLLOUT_EXPECTED_SERVERS=$((nnodes * ROLLOUT_SERVERS_PER_NODE))
+    ROLLOUT_EXPECTED_SERVERS=$((nnodes * ROLLOUT_SERVERS_PER_NODE / per))
 }
 
 # rollout_wait_servers: waits for every server's port line and /health, then writes
