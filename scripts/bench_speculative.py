@@ -40,7 +40,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import midsize_moe  # noqa: E402
 
 DRAFT_LAYERS = 2
-START, LEAD = 24, 96          # repeat workload: a random start, then this much of its greedy continuation
+START, LEAD = 24, 192         # repeat workload: a random start, then this much of its greedy continuation
 
 
 def small_draft(target: Path, layers: int = DRAFT_LAYERS) -> Path:

@@ -331,3 +331,27 @@ def test_server_reports_speculation(tmp_path):
         counts = [line for line in metrics.splitlines() if line.startswith("rollout_spec_accept_length_count")]
         assert counts and float(counts[0].split()[-1]) >= 2 * meta["spec_verify_ct"] - 2
         assert "sglang:spec_accept_length{" in metrics
+
+
+def test_abort_mid_run_returns_an_exact_prefix(tiny_checkpoint):
+    """A request aborted while it speculates: its partial output, logprobs and routing rows are the
+    start of the output without speculation, and no KV slot is left behind."""
+    path = tiny_checkpoint("qwen3_moe")
+    prompt = _prompts(4, [30])[0]
+    params = {"temperature": 0.0, "max_new_tokens": 200, "ignore_eos": True}
+    with make_engine(path, enable_deterministic_inference=True) as engine:
+        full = _run(engine, [prompt], params)[0]
+    with make_engine(path, enable_deterministic_inference=True, client="inproc", **SPEC) as engine:
+        seen = []
+        for chunk in engine.generate(input_ids=[prompt], sampling_params=params, return_logprob=True,
+                                     top_logprobs_num=3, return_routed_experts=True, stream=True, rid="a"):
+            seen.append(len(chunk.output_ids))
+            if sum(seen) >= 20 and not chunk.finished:
+                engine.abort("a")
+            part = chunk.output or None
+        assert engine.debug(lambda core: core.flush_cache() and core.check_integrity() and core.kv_pool.used() == 0)
+    assert part.finish_reason == "abort" and 20 <= len(part.output_ids) < 200
+    n = len(part.output_ids)
+    assert part.output_ids == full.output_ids[:n]
+    assert part.output_logprobs == full.output_logprobs[:n] and part.output_top_logprobs == full.output_top_logprobs[:n]
+    assert torch.equal(part.routed_experts, full.routed_experts[:len(prompt) + n - 1])
