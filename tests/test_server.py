@@ -529,7 +529,11 @@ def test_server_args_cli():
         "allowed_weight_dirs", "max_request_bytes", "log_level", "enable_debug_endpoints", "timeout_keep_alive",
         "timeout_read", "max_connections", "shutdown_drain_s",
         "incremental_streaming_output", "allow_pickled_weight_tensors", "default_return_routed_experts",
-        "allow_auto_truncate", "weight_update_bucket_bytes", "mem_fraction_static", "quantization", "decode_log_interval"}
+        "allow_auto_truncate", "weight_update_bucket_bytes", "mem_fraction_static", "quantization", "decode_log_interval",
+        "nnodes", "node_rank", "dist_init_addr", "dist_timeout", "speculative_algorithm",
+        "speculative_num_draft_tokens", "speculative_num_steps", "speculative_eagle_topk",
+        "speculative_draft_model_path", "speculative_ngram_min_match_window_size",
+        "speculative_ngram_max_match_window_size"}
     assert flat["disable_prefix_caching"] is True and flat["chunked_prefill_size"] is None
     assert flat["decode_graph_batch_sizes"] == (1, 4) and flat["model_path"] == DEFAULT_MODEL_PATH
     for argv in (["--port", "70000"], ["--dp-size", "0"], ["--max-request-bytes", "10"], ["--api-key", ""]):
