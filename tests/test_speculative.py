@@ -254,7 +254,10 @@ def _lookup_reference(seq: list[int], lo: int, hi: int, k: int) -> list[int]:
         suffix = seq[n - length:]
         for end in range(n - 2, length - 2, -1):
             if seq[end - length + 1:end + 1] == suffix:
-                return seq[end + 1:end + 1 + k]
+                ext = list(seq)
+                while len(ext) < n + k:   # the match predicts ext[end + 1 + i]; past n, its own drafts
+                    ext.append(ext[end + 1 + len(ext) - n])
+                return ext[n:n + k]
     return []
 
 

@@ -78,8 +78,9 @@ class TokenHistory:
 
 
 def ngram_lookup(seq: np.ndarray, min_match: int, max_match: int, k: int) -> list[int]:
-    """Up to k tokens that followed the latest earlier occurrence of seq's longest suffix of
-    min_match .. max_match tokens ([] when none occurs)."""
+    """k tokens that follow the latest earlier occurrence of seq's longest suffix of min_match ..
+    max_match tokens, read from seq extended by the drafts themselves ([] when none occurs): a
+    suffix that repeats every p tokens drafts k tokens of that period, not p."""
     n = seq.shape[0]
     if n < 2 or k <= 0:
         return []
@@ -96,7 +97,12 @@ def ngram_lookup(seq: np.ndarray, min_match: int, max_match: int, k: int) -> lis
     if length < min_match:
         return []
     end = int(best[-1])
-    return seq[end + 1:end + 1 + k].tolist()
+    out = seq[end + 1:end + 1 + k].tolist()
+    # NOTE: a match close to the end (a repeating span: its latest occurrence overlaps the suffix)
+    # predicts past the known tokens: those are the drafts themselves, so the span repeats on
+    for i in range(len(out), k):
+        out.append(out[end + 1 + i - n])
+    return out
 
 
 class NgramDrafter:
