@@ -231,12 +231,12 @@ def test_pace_backs_off_failing_drafts_and_grows_holding_ones():
               max_total_len=4096)
     assert draft_budget(req, 3, 1) == 3
     tried = []
-    for step in range(1, 400):   # every draft fails: it drafts at multiples of 2, 4, 8, .. 64 only
+    for step in range(1, 400):   # every draft fails: it drafts at multiples of 4, 8, .. 64 only
         k = draft_budget(req, 3, step)
         if k:
             tried.append((step, k))
             pace(req, k, 0)
-    assert tried == [(1, 3), (2, 1), (4, 1), (8, 1), (16, 1), (32, 1), (64, 1), (128, 1), (192, 1),
+    assert tried == [(1, 3), (4, 1), (8, 1), (16, 1), (32, 1), (64, 1), (128, 1), (192, 1),
                      (256, 1), (320, 1), (384, 1)] and MAX_BACKOFF == 64
     pace(req, 1, 1)              # the one draft held: two next, then up to the most allowed
     assert draft_budget(req, 3, 401) == 2

@@ -113,13 +113,17 @@ class DraftModelDrafter:
                 seq = req.draft_state = DraftSeq(row=self.rows.alloc())
             except RuntimeError:   # NOTE: every row is taken (cannot happen: one per running request)
                 return None
-        if seq.fed:
+        if seq.fed or seq.confirmed >= req.seq_len:
             real = req.token_span(seq.confirmed, min(req.seq_len, seq.kv_len))
             kept = 0
             while kept < len(real) and real[kept] == seq.fed[kept]:
                 kept += 1
-            self._truncate(seq, seq.confirmed + kept)
-            seq.confirmed += kept
+            # NOTE: the last token is always fed again (its logits give the first draft): a step that
+            # decoded without drafts (KV short) may have emitted exactly the fed draft, and a second
+            # proposal in one step (after a retraction) finds the last token confirmed
+            valid = min(seq.confirmed + kept, req.seq_len - 1)
+            self._truncate(seq, valid)
+            seq.confirmed = valid
             seq.fed = []
         return seq
 

@@ -22,7 +22,7 @@ from typing import Any, Sequence
 import numpy as np
 
 
-MAX_BACKOFF = 64   # decode steps a request whose drafts all failed goes without drafts, at most
+FIRST_BACKOFF, MAX_BACKOFF = 4, 64   # a request whose drafts all failed drafts every 4, 8 .. 64 steps
 
 
 def draft_budget(req: Any, max_drafts: int, step: int) -> int:
@@ -39,14 +39,14 @@ def draft_budget(req: Any, max_drafts: int, step: int) -> int:
 def pace(req: Any, proposed: int, kept: int) -> None:
     """Adapts a request's drafts to how its last ones fared: after k of d kept it may take k + 1
     next (d + 1 when all were kept); after none kept it drafts (one token) only at steps that are
-    multiples of 1, 2, 4, .. MAX_BACKOFF, doubling with each failure. A request whose drafts keep
+    multiples of 4, 8, .. MAX_BACKOFF, doubling with each failure. A request whose drafts keep
     failing thus feeds the verify forward its last token alone nearly always, and the requests
     that back off try again at the same steps (a step with any drafts is an extend forward for the
     whole batch); one whose drafts hold takes the most allowed. Outputs never depend on it."""
     if proposed == 0:
         return
     if kept == 0:
-        req.spec_backoff = min(MAX_BACKOFF, max(2, 2 * req.spec_backoff))
+        req.spec_backoff = min(MAX_BACKOFF, max(FIRST_BACKOFF, 2 * req.spec_backoff))
         req.spec_cap = 1
     else:
         req.spec_backoff = 0

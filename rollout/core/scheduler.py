@@ -314,6 +314,12 @@ class Scheduler:
                       drafts: dict[int, list[int]]) -> ScheduledBatch:
         """A decode step that feeds each request's last token and its drafts (speculative decoding;
         a request without drafts feeds its last token alone)."""
+        if drafts:
+            # NOTE: fewest fed tokens first, as a prefill step: attention cuts the batch into runs of
+            # similar shape, so the requests without drafts do not pad to the drafting ones' queries
+            order = sorted(range(len(reqs)), key=lambda i: (len(drafts.get(reqs[i].uid, ())), pre[i]))
+            reqs, pre = [reqs[i] for i in order], [pre[i] for i in order]
+            rows = rows[torch.tensor(order, dtype=torch.int64)]
         chain = [drafts.get(r.uid, []) for r in reqs]
         ext = [1 + len(d) for d in chain]
         off = 0
