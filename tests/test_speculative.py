@@ -229,6 +229,10 @@ def test_pace_backs_off_failing_drafts_and_grows_holding_ones():
 
     req = Req(uid=0, rid="r", prompt_ids=[5] * 10, params=SamplingParams(max_new_tokens=1000), seed=0,
               max_total_len=4096)
+    assert draft_budget(req, 3, 1) == 1   # one draft to start
+    pace(req, 1, 1)
+    assert draft_budget(req, 3, 1) == 2
+    pace(req, 2, 2)
     assert draft_budget(req, 3, 1) == 3
     tried = []
     for step in range(1, 400):   # every draft fails: it drafts at multiples of 4, 8, .. 64 only

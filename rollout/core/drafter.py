@@ -32,13 +32,12 @@ def draft_budget(req: Any, max_drafts: int, step: int) -> int:
     if req.spec_backoff and step % req.spec_backoff:
         return 0
     room = min(req.params.max_new_tokens - len(req.output_ids), req.max_total_len - req.seq_len) - 1
-    cap = max_drafts if req.spec_cap < 0 else min(max_drafts, req.spec_cap)
-    return max(0, min(cap, room))
+    return max(0, min(max_drafts, req.spec_cap, room))
 
 
 def pace(req: Any, proposed: int, kept: int) -> None:
-    """Adapts a request's drafts to how its last ones fared: after k of d kept it may take k + 1
-    next (d + 1 when all were kept); after none kept it drafts (one token) only at steps that are
+    """Adapts a request's drafts to how its last ones fared: it starts with one; after k of d kept
+    it may take k + 1 next (so a run of full acceptances grows to the most allowed); after none kept it drafts (one token) only at steps that are
     multiples of 4, 8, .. MAX_BACKOFF, doubling with each failure. A request whose drafts keep
     failing thus feeds the verify forward its last token alone nearly always, and the requests
     that back off try again at the same steps (a step with any drafts is an extend forward for the

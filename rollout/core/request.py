@@ -81,7 +81,7 @@ class Req:
     spec_verify_ct: int = 0              # decode (verify) steps the request took
     spec_num_proposed_drafts: int = 0
     spec_num_correct_drafts: int = 0     # drafts kept (equal to the target's own sample)
-    spec_cap: int = -1                   # drafts it may take next (-1: the most allowed); rollout/core/drafter.py: pace
+    spec_cap: int = 1                    # drafts it may take next (rollout/core/drafter.py: pace); starts at one
     spec_backoff: int = 0                # > 0: it drafts only at decode steps that are multiples of this
 
     @property
