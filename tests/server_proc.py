@@ -1,6 +1,7 @@
 """Starts a real `rollout-serve` process on a free loopback port and waits for /health."""
 from __future__ import annotations
 
+import os
 import sys
 import tempfile
 import time
@@ -139,6 +140,19 @@ def sse_events(response: httpx.Response):
         if data == "[DONE]":
             return
         yield json.loads(data)
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this pid runs (a zombie, exited but not reaped, is dead)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:   # NOTE: reaped between the two looks
+        return False
 
 
 def free_port() -> int:

@@ -14,15 +14,9 @@ from oracle import hf_router_topk, same_sets
 from rollout import EngineDeadError
 from rollout.config import DEFAULT_MODEL_PATH
 from rollout.exec.model_runner import DECODE, EAGER, PREFILL
+from server_proc import pid_alive
 from tiny_models import make_engine, random_prompts as prompts
 
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 GREEDY = {"temperature": 0.0, "max_new_tokens": 8, "ignore_eos": True}
 BUCKETS = dict(decode_graph_batch_sizes=(1, 2, 4), prefill_graph_token_sizes=(16, 32), chunked_prefill_size=48)

@@ -16,19 +16,11 @@ import torch
 from oracle import hf_router_topk, same_sets
 from rollout import EngineDeadError, Rollout
 from rollout.ipc.messages import AbortReqs, AddReqs, Call, Codec, ReqSpec, ReqUpdate, StepOut, ints
+from server_proc import pid_alive
 from tiny_models import make_engine, random_prompts as prompts
 
 ROOT = Path(__file__).resolve().parent.parent
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    with open(f"/proc/{pid}/stat") as f:     # NOTE: a zombie is dead too
-        return f.read().rsplit(")", 1)[1].split()[0] != "Z"
 
 
 def test_messages_round_trip_as_msgpack_with_raw_arrays():

@@ -18,7 +18,7 @@ import uuid
 import httpx
 import pytest
 
-from server_proc import NodeProcess, ServerProcess, free_port
+from server_proc import NodeProcess, ServerProcess, free_port, pid_alive
 from tiny_models import random_prompts
 
 DP = 4
@@ -103,14 +103,6 @@ def _children(pid: int) -> list[int]:
     return out
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
-
-
 def test_two_nodes_on_loopback_equal_one_node(reference):
     with TwoNodes() as nodes:
         answers = {"first": _generate(nodes.node0.url, FIRST, RANKS, 40),
@@ -184,9 +176,9 @@ def _kill_node1_mid_batch(nodes: TwoNodes, reference: dict) -> None:
     assert proc.returncode not in (0, None)
     assert "node 1 (DP ranks 2-3) is gone" in nodes.node0.log()
     deadline = time.monotonic() + 10
-    while any(_alive(p) for p in engines0) and time.monotonic() < deadline:
+    while any(pid_alive(p) for p in engines0) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert engines0 and not any(_alive(p) for p in engines0)
+    assert engines0 and not any(pid_alive(p) for p in engines0)
     leftovers = [d for d in os.listdir("/tmp") if d.startswith(f"rollout-{front}-")]
     assert not leftovers
 
@@ -223,7 +215,7 @@ def test_one_dead_engine_of_node_1_stops_its_node_and_the_server():
         assert meta["finish_reason"]["type"] == "abort" and "node 1 (DP ranks 2-3)" in meta["finish_reason"]["message"]
         assert nodes.node1.proc.wait(20) == 1
         assert nodes.node0._server.proc.wait(20) not in (0, None)
-        assert not any(_alive(p) for p in engines1)
+        assert not any(pid_alive(p) for p in engines1)
     assert "exited with code -9" in nodes.node1_log
 
 

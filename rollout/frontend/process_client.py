@@ -60,6 +60,9 @@ class ProcessClient:
         self._closed = False
         self._ctx = zmq.Context()
         self._gone: dict[int, float] = {}               # rank of another node -> when its connection closed
+        # survivors' aborts (PEER_FAILED) that came before their lost peer was seen, and every update
+        # after them, in order: delivered once the peer is named (_release_held)
+        self._held: list = []
         self._stop_timeout_s = self.STOP_TIMEOUT_S
         remove_stale_dirs()
         self._dir = IpcDirectory()
@@ -174,6 +177,8 @@ class ProcessClient:
                         poller.unregister(fd)
                         dead_ranks.append(rank)
                         died_at = died_at or time.monotonic()
+                if self._held and (dead_ranks or self._dead_ranks_text()):
+                    self._release_held()
                 if died_at is not None and (self.dp_size == 1 or time.monotonic() - died_at > self.DEATH_GRACE_S
                                             or len(dead_ranks) == self.dp_size):
                     if not self._closed:
@@ -190,16 +195,37 @@ class ProcessClient:
                 for upd in msg.updates:
                     if upd.finished and self._owner.pop(upd.uid, None) is not None:
                         self._load[rank] -= 1
-                    if upd.finish_message == PEER_FAILED:
-                        upd.finish_message = self._dead_ranks_text() or upd.finish_message
-            self._on_updates(msg.updates)
+                # NOTE: a survivor's collective can fail before the lost peer's connection event
+                # arrives: its aborts wait until the peer can be named
+                hold = bool(self._held) or (any(u.finish_message == PEER_FAILED for u in msg.updates)
+                                            and not self._dead_ranks_text())
+                if hold:
+                    self._held.extend(msg.updates)
+            if not hold:
+                self._name_peer(msg.updates)
+                self._on_updates(msg.updates)
         for reply in msg.replies:
             self._calls.resolve(reply, rank)
+
+    def _name_peer(self, updates: list) -> None:
+        text = self._dead_ranks_text()
+        for upd in updates:
+            if upd.finish_message == PEER_FAILED and text:
+                upd.finish_message = text
+
+    def _release_held(self) -> None:
+        """Delivers the held updates (a lost peer has been seen, or the client dies)."""
+        with self._lock:
+            held, self._held = self._held, []
+        if held:
+            self._name_peer(held)
+            self._on_updates(held)
 
     def _die(self, dead_ranks: list[int], fatal: list[str]) -> None:
         for p in self._procs:
             if p.rank in dead_ranks:
                 p.join(timeout=1.0)
+        self._release_held()
         parts = [self._dead_ranks_text(dead_ranks)] if dead_ranks else []
         if fatal:
             parts.append(fatal[0].strip().splitlines()[-1])
