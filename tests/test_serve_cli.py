@@ -85,8 +85,9 @@ def test_sglang_flags_that_mean_the_same_are_accepted():
                                            "expert-parallel size is --dp-size (2); set --dp-size instead"),
     (["--kv-cache-dtype", "fp8_e5m2"], "--kv-cache-dtype fp8_e5m2: the KV cache holds the model's dtype; use --dtype"),
     (["--quantization", "awq"], "argument --quantization: invalid choice: 'awq'"),
-    (["--speculative-algorithm", "EAGLE"], "speculative_algorithm='EAGLE': EAGLE draft heads are not supported; use "
-                                           "NGRAM, or STANDALONE with a small draft checkpoint"),
+    (["--speculative-algorithm", "EAGLE3"], "speculative_algorithm='EAGLE3': EAGLE3 draft heads are not supported; "
+                                            "use NEXTN on a checkpoint with MTP layers, NGRAM, or STANDALONE with a "
+                                            "small draft checkpoint"),
     (["--speculative-algorithm", "NGRAM", "--speculative-eagle-topk", "4"],
      "speculative_eagle_topk must be 1 (chain drafts; tree drafts are not supported), got 4"),
     (["--enable-lora"], "--enable-lora: LoRA adapters are not supported; merge the adapter into the checkpoint"),

@@ -14,7 +14,7 @@ from oracle import hf_greedy
 from rollout.config import DEFAULT_MODEL_PATH, EngineConfig
 from rollout.core.drafter import MAX_BACKOFF, draft_budget, ngram_lookup, pace
 from test_capture import check_rows
-from tiny_models import make_engine, random_prompts, truncated_checkpoint
+from tiny_models import damped_checkpoint, make_engine, random_prompts, truncated_checkpoint, with_mtp_layer
 
 SPEC = {"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": 4}
 
@@ -77,6 +77,17 @@ def _standalone(draft) -> dict:
             "speculative_draft_model_path": str(draft)}
 
 
+NEXTN = {"speculative_algorithm": "NEXTN", "speculative_num_draft_tokens": 4}
+
+
+def _mtp_checkpoint(src, tmp_path, echo: bool = True):
+    """src with one MTP layer; echo: on a target whose layers add little to the embeddings (their
+    outputs damped), an MTP layer whose drafts hold for greedy requests (tests/tiny_models.py)."""
+    if echo:
+        src = damped_checkpoint(src, tmp_path / "damped", 0.002)
+    return with_mtp_layer(src, tmp_path / "mtp", echo=echo)
+
+
 # NOTE: NGRAM on one architecture by default; DeepSeek-V3 (MLA, grouped sigmoid routing), DP 2 with
 # the static-shape runners and STANDALONE drafts under slow
 @pytest.mark.parametrize("arch, draft, kw", [
@@ -85,14 +96,23 @@ def _standalone(draft) -> dict:
     pytest.param("qwen3_moe", None, {"dp_size": 2, "max_total_tokens": 130, "decode_graph_batch_sizes": (1, 2, 4, 8),
                                      "prefill_graph_token_sizes": (16, 64)}, marks=pytest.mark.slow, id="dp2-graphs"),
     pytest.param("qwen3_moe", "self", {}, marks=pytest.mark.slow, id="standalone-self"),
-    pytest.param("deepseek_v3", "small", {}, marks=pytest.mark.slow, id="standalone-small")])
+    pytest.param("deepseek_v3", "small", {}, marks=pytest.mark.slow, id="standalone-small"),
+    pytest.param("deepseek_v3", "nextn", {"decode_graph_batch_sizes": (1, 2, 4, 8), "prefill_graph_token_sizes": (16, 64)},
+                 id="nextn-graphs"),
+    pytest.param("glm4_moe", "nextn", {}, marks=pytest.mark.slow, id="nextn-glm"),
+    pytest.param("deepseek_v3", "nextn", {"dp_size": 2, "max_total_tokens": 130, "decode_graph_batch_sizes": (1, 2, 4, 8),
+                                          "prefill_graph_token_sizes": (16, 64)}, marks=pytest.mark.slow,
+                 id="nextn-dp2-graphs")])
 def test_deterministic_outputs_equal_without_speculation(tiny_checkpoint, tmp_path, arch, draft, kw):
     """Deterministic mode, small prefill chunks, a KV pool small enough to retract: every output with
-    drafts (NGRAM, or a draft checkpoint: the target itself or a smaller one of its family) is bitwise
-    the output without them, and drafts were both kept and rejected (the smaller draft is the
-    target's first layer with its embeddings and head)."""
+    drafts (NGRAM, a draft checkpoint: the target itself or a smaller one of its family, or the
+    checkpoint's own MTP layer) is bitwise the output without them, and drafts were both kept and
+    rejected (the smaller draft is the target's first layer with its embeddings and head)."""
     path = tiny_checkpoint(arch)
-    spec = SPEC if draft is None else _standalone(path if draft == "self" else truncated_checkpoint(path, tmp_path, 1))
+    if draft == "nextn":
+        path, spec = _mtp_checkpoint(path, tmp_path), NEXTN
+    else:
+        spec = SPEC if draft is None else _standalone(path if draft == "self" else truncated_checkpoint(path, tmp_path, 1))
     kw = {"enable_deterministic_inference": True, "chunked_prefill_size": 16, "max_total_tokens": 260, **kw}
     outs = {}
     for name, extra in (("plain", {}), ("spec", spec)):
@@ -275,9 +295,11 @@ def test_ngram_lookup_matches_its_definition():
 
 
 @pytest.mark.parametrize("kw, message", [
-    ({"speculative_algorithm": "EAGLE"}, "EAGLE draft heads are not supported"),
-    ({"speculative_algorithm": "NEXTN"}, "NEXTN"),
-    ({"speculative_algorithm": "MEDUSA"}, r"speculative_algorithm must be one of \('NGRAM', 'STANDALONE'\)"),
+    ({"speculative_algorithm": "EAGLE", "speculative_draft_model_path": "/x"}, "EAGLE draft heads are not supported"),
+    ({"speculative_algorithm": "EAGLE3"}, "EAGLE3 draft heads are not supported"),
+    ({"speculative_algorithm": "NEXTN", "model_path": "/m", "speculative_draft_model_path": "/x"},
+     "NEXTN reads the MTP layers of model_path's own checkpoint"),
+    ({"speculative_algorithm": "MEDUSA"}, r"speculative_algorithm must be one of \('NGRAM', 'STANDALONE', 'NEXTN'\)"),
     ({"speculative_num_draft_tokens": 4}, "needs speculative_algorithm"),
     ({"speculative_algorithm": "NGRAM", "speculative_num_draft_tokens": 1},
      r"speculative_num_draft_tokens must be an integer in \[2, 64\]"),
@@ -296,6 +318,10 @@ def test_bad_speculative_settings_are_refused_by_name(kw, message):
 
 def test_speculative_settings_resolve():
     assert EngineConfig().verify_tokens_per_request == 1
+    # SGLang runs EAGLE on a checkpoint's own MTP layers (no separate draft) as NEXTN
+    assert EngineConfig(speculative_algorithm="EAGLE").speculative_algorithm == "NEXTN"
+    assert EngineConfig(model_path="/m", speculative_algorithm="EAGLE",
+                        speculative_draft_model_path="/m").speculative_algorithm == "NEXTN"
     assert EngineConfig(speculative_algorithm="ngram").speculative_algorithm == "NGRAM"
     assert EngineConfig(speculative_algorithm="NGRAM").verify_tokens_per_request == 4
     assert EngineConfig(speculative_algorithm="NGRAM", speculative_num_steps=6).verify_tokens_per_request == 7
@@ -362,3 +388,139 @@ def test_abort_mid_run_returns_an_exact_prefix(tiny_checkpoint):
     assert part.output_ids == full.output_ids[:n]
     assert part.output_logprobs == full.output_logprobs[:n] and part.output_top_logprobs == full.output_top_logprobs[:n]
     assert torch.equal(part.routed_experts, full.routed_experts[:len(prompt) + n - 1])
+
+
+# ---- NEXTN: the checkpoint's MTP layer -------------------------------------------------------------
+def _hf_mtp_reference(path, seq: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers' own modules: the target's final-normed hidden states h [n, H] of seq, and the MTP
+    layer's logits [n - 1, V] at positions 0 .. n-2 (eh_proj over enorm(embed(t_{i+1})) and hnorm(h_i),
+    transformers' decoder layer of the checkpoint's class with a causal mask, shared_head.norm, lm_head)."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, attn_implementation="eager").eval()
+    cfg, n_layer = hf.config, hf.config.num_hidden_layers
+    prefix = f"model.layers.{n_layer}."
+    own = {k[len(prefix):]: v for k, v in load_file(str(path / "mtp.safetensors")).items()}
+    layer = type(hf.model.layers[-1])(cfg, n_layer).eval()
+    layer.load_state_dict({k: v for k, v in own.items() if k.startswith(("self_attn.", "mlp.", "input_layernorm",
+                                                                          "post_attention_layernorm"))})
+
+    def norm(name):
+        m = type(hf.model.norm)(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        m.weight.data.copy_(own[f"{name}.weight"])
+        return m
+
+    with torch.no_grad():
+        ids = torch.tensor([seq])
+        h = hf.model(ids).last_hidden_state[0]
+        x = torch.cat((norm("enorm")(hf.model.embed_tokens(ids[0, 1:])), norm("hnorm")(h[:-1])), dim=-1)
+        x = (x @ own["eh_proj.weight"].T)[None]
+        n = x.shape[1]
+        pos = torch.arange(n)[None]
+        mask = torch.full((n, n), float("-inf")).triu(1)[None, None]
+        out = layer(x, attention_mask=mask, position_ids=pos, position_embeddings=hf.model.rotary_emb(x, pos))
+        out = out[0] if isinstance(out, tuple) else out
+        return h, hf.lm_head(norm("shared_head.norm")(out[0]))
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v3", pytest.param("glm4_moe", marks=pytest.mark.slow)])
+def test_mtp_layer_is_transformers_decoder_layer(tiny_checkpoint, tmp_path, arch):
+    """The MTP layer as loaded with the model (checkpoint names model.layers.{N}.*) computes what
+    transformers' own modules compute from the same tensors, at every position."""
+    from rollout.core.draft_kv import DraftKV
+    from rollout.models.registry import load_model
+
+    path = _mtp_checkpoint(tiny_checkpoint(arch), tmp_path, echo=False)
+    seq = random_prompts(3, [21])[0]
+    h, ref = _hf_mtp_reference(path, seq)
+    model, _ = load_model(path, "float32", "cpu", mtp=True)
+    spec = model.mtp.spec
+    kv = DraftKV(num_slots=64, num_layers=1, num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
+                 latent_dim=spec.info.kv_latent_dim, dtype=torch.float32, device=torch.device("cpu"),
+                 max_requests=1, context_length=64)
+    seqs = [kv.seq(type("R", (), {"draft_state": None})())]
+    # two extends (chunks) over the MTP's own KV: positions 0..9, then 10..19
+    got = []
+    for lo, hi in ((0, 10), (10, len(seq) - 1)):
+        fb = kv.forward_batch(seqs, seq[lo + 1:hi + 1], [lo], [hi - lo])
+        got.append(model.mtp.logits(model.mtp(fb, h[lo:hi])))
+    torch.testing.assert_close(torch.cat(got), ref, atol=2e-4, rtol=2e-4)
+
+
+def test_nextn_feeds_the_targets_hidden_states(tiny_checkpoint, tmp_path):
+    """Every position the MTP layer is fed with the target's state gets the token after it and the
+    target's final-normed hidden state there (transformers' own forward), prefix-cache hits included
+    (their hidden states sit in the shared slots)."""
+    from transformers import AutoModelForCausalLM
+
+    path = _mtp_checkpoint(tiny_checkpoint("deepseek_v3"), tmp_path, echo=False)
+    prompts = random_prompts(8, [12, 27])
+    greedy = {"temperature": 0.0, "max_new_tokens": 12, "ignore_eos": True}
+    fed = []
+    with make_engine(path, client="inproc", **NEXTN) as engine:
+        def install(core):
+            drafter = core.scheduler.drafter
+            propose, forward, first = drafter.propose, drafter.model.forward, [False]
+
+            def recording_propose(reqs, step):
+                first[0] = True
+                return propose(reqs, step)
+
+            def recording_forward(fb, hidden):
+                if first[0]:   # the proposal's extend: the positions fed with the target's hidden states
+                    fed.append((fb.positions.tolist(), fb.input_ids.tolist(), hidden.clone()))
+                    first[0] = False
+                return forward(fb, hidden)
+            drafter.propose, drafter.model.forward = recording_propose, recording_forward
+        engine.debug(install)
+        outs = _run(engine, prompts, greedy) + _run(engine, prompts, greedy)
+    assert any(o.cached_tokens for o in outs[2:]), "the repeated prompts must hit the prefix cache"
+    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    seqs = []
+    for o in outs[:2]:
+        seq = list(o.prompt_ids) + list(o.output_ids)
+        with torch.no_grad():
+            seqs.append((seq, hf.model(torch.tensor([seq])).last_hidden_state[0]))
+    rows = 0
+    for positions, ids, hidden in fed:
+        for p, t, hv in zip(positions, ids, hidden):
+            assert any(p + 1 < len(seq) and seq[p + 1] == t and torch.allclose(hv, hs[p], atol=1e-4)
+                       for seq, hs in seqs), (p, t)
+            rows += 1
+    # each request's MTP sees its whole prompt once per run: the second run's from the cached slots
+    assert sum(1 for positions, _, _ in fed for p in positions if p == 0) == 4
+    assert rows >= 2 * sum(len(p) for p in prompts)
+
+
+@pytest.mark.parametrize("arch, nextn", [("qwen3_moe", 0), ("deepseek_v3", 1)])
+def test_nextn_refused_without_mtp_layers(tiny_checkpoint, arch, nextn):
+    """A checkpoint without MTP tensors (whatever its config says) is refused at startup, by name."""
+    with pytest.raises(ValueError, match=rf"'NEXTN' needs .*num_nextn_predict_layers={nextn} and 0 tensors "
+                                         rf"model\.layers\.3\.\*"):
+        with make_engine(tiny_checkpoint(arch), **NEXTN):
+            pass
+
+
+def test_nextn_weight_updates_and_memory_release_reach_the_mtp_layer(tiny_checkpoint, tmp_path):
+    """The MTP layer's tensors are the model's: an update of model.layers.{N}.eh_proj.weight changes
+    its drafts (the echo layer's greedy drafts all held; with eh_proj zero they fail) and never the
+    outputs; release_memory_occupation frees its KV and weights with the target's and resume brings
+    the same drafts back."""
+    path = _mtp_checkpoint(tiny_checkpoint("deepseek_v3"), tmp_path)
+    prompts = random_prompts(9, [14, 23])
+    greedy = {"temperature": 0.0, "max_new_tokens": 16, "ignore_eos": True}
+    with make_engine(path, client="inproc", **NEXTN) as engine:
+        before = _run(engine, prompts, greedy)
+        engine.release_memory_occupation()
+        engine.resume_memory_occupation()
+        resumed = _run(engine, prompts, greedy)
+        engine.swap_weights({"model.layers.3.eh_proj.weight": torch.zeros(64, 128)})
+        assert engine.debug(lambda core: bool((core.model.mtp.eh_proj.weight == 0).all()))
+        after = _run(engine, prompts, greedy)
+        assert engine.debug(lambda core: core.check_integrity() or True)
+    for a, b, c in zip(before, resumed, after):
+        assert a.output_ids == b.output_ids == c.output_ids
+        assert a.spec_num_correct_drafts == a.spec_num_proposed_drafts > 0
+        assert b.spec_num_correct_drafts == a.spec_num_correct_drafts
+    assert sum(c.spec_num_correct_drafts for c in after) < sum(a.spec_num_correct_drafts for a in before) / 2

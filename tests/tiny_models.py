@@ -120,6 +120,66 @@ def truncated_checkpoint(src: str | Path, dst: str | Path, num_layers: int) -> P
     return Path(dst)
 
 
+def with_mtp_layer(src: str | Path, dst: str | Path, seed: int = 1, echo: bool = False) -> Path:
+    """A copy of src (DeepSeek-V3 / GLM-4.5) with one multi-token-prediction layer, laid out as the
+    released checkpoints lay it out: model.layers.{N}.{enorm, hnorm, eh_proj, shared_head.norm,
+    shared_head.head, embed_tokens} and a decoder layer of transformers' own class (N =
+    num_hidden_layers), in a file of its own, and num_nextn_predict_layers 1 in config.json.
+    echo: an MTP layer whose output is the embedding of its input token (attention and MLP outputs
+    zero, eh_proj passes enorm(embed(t_{i+1})) through): on a target whose layers add little to the
+    embeddings (a small std) it predicts what the target predicts after t_{i+1}, so drafts hold."""
+    import json
+    import shutil
+
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    src, dst = Path(src), Path(dst)
+    shutil.copytree(src, dst)
+    model = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32)
+    cfg = model.config
+    n, h = cfg.num_hidden_layers, cfg.hidden_size
+    layer = type(model.model.layers[-1])(cfg, n)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in layer.named_parameters():
+            noise = torch.randn(p.shape, generator=gen)
+            p.copy_(1.0 + 0.2 * noise if "norm" in name else 0.1 * noise if name.endswith(".bias") else 0.15 * noise)
+            if echo and ("o_proj" in name or "down_proj" in name):
+                p.zero_()
+        for name, b in layer.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.1 * torch.randn(b.shape, generator=gen))
+    tensors = {f"model.layers.{n}.{k}": v.contiguous() for k, v in layer.state_dict().items()}
+    eh = torch.cat((torch.eye(h), torch.zeros(h, h)), dim=1) if echo else 0.15 * torch.randn(h, 2 * h, generator=gen)
+    norms = (lambda: torch.ones(h)) if echo else (lambda: 1.0 + 0.2 * torch.randn(h, generator=gen))
+    head_norm = model.model.norm.weight.detach().clone() if echo else norms()
+    tensors.update({f"model.layers.{n}.enorm.weight": norms(), f"model.layers.{n}.hnorm.weight": norms(),
+                    f"model.layers.{n}.eh_proj.weight": eh, f"model.layers.{n}.shared_head.norm.weight": head_norm,
+                    f"model.layers.{n}.shared_head.head.weight": model.lm_head.weight.detach().clone(),
+                    f"model.layers.{n}.embed_tokens.weight": model.model.embed_tokens.weight.detach().clone()})
+    save_file(tensors, str(dst / "mtp.safetensors"))
+    raw = json.loads((dst / "config.json").read_text())
+    raw["num_nextn_predict_layers"] = 1
+    (dst / "config.json").write_text(json.dumps(raw, indent=2))
+    return dst
+
+
+def damped_checkpoint(src: str | Path, dst: str | Path, factor: float) -> Path:
+    """A copy of src whose attention and MLP outputs (o_proj, down_proj weights) are scaled by
+    factor: its hidden states stay close to the token embeddings (its routers still route them)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    for f in Path(dst).glob("*.safetensors"):
+        tensors = load_file(str(f))
+        save_file({k: v * factor if ("o_proj" in k or "down_proj" in k) else v for k, v in tensors.items()},
+                  str(f), metadata={"format": "pt"})
+    return Path(dst)
+
+
 def random_prompts(seed: int, lengths, vocab: int = 256) -> list[list[int]]:
     """Seeded random prompts (ids 3.. vocab-1, clear of the tiny models' special ids) of the given lengths."""
     import random

@@ -23,10 +23,15 @@ class KVPool:
 
     Two layouts: GQA (per layer [slots, 2, kvH, D], key and value side by side) or, with
     latent_dim > 0, MLA (per layer [slots, latent_dim]: the compressed latent then the rope key).
+    With hidden_size > 0 each slot also holds the final-normed hidden state its forward computed
+    (`hidden` [slots, hidden_size]): the input of the checkpoint's MTP layers (NEXTN drafts). A
+    slot's hidden state is written by the forward that writes its KV, so it is valid exactly as
+    long as the KV is, prefix-cache hits included.
     """
 
     def __init__(self, *, num_slots: int, num_layers: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: str | torch.device = "cpu", latent_dim: int = 0):
+                 dtype: torch.dtype, device: str | torch.device = "cpu", latent_dim: int = 0,
+                 hidden_size: int = 0):
         if num_slots <= 0:
             raise ValueError(f"num_slots must be > 0, got {num_slots}")
         self.num_slots = num_slots
@@ -41,13 +46,14 @@ class KVPool:
         if not latent_dim:
             self.k_buffers = [kv[:, 0] for kv in self.kv_buffers]   # views [slots, kvH, D]
             self.v_buffers = [kv[:, 1] for kv in self.kv_buffers]
+        self.hidden = _zeros((num_slots + 1, hidden_size), dtype, self.device) if hidden_size else None
         self._free = list(range(num_slots, 0, -1))  # pop() hands out low slots first
 
     @staticmethod
     def bytes_per_slot(*, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                       latent_dim: int = 0) -> int:
+                       latent_dim: int = 0, hidden_size: int = 0) -> int:
         per_layer = latent_dim or 2 * num_kv_heads * head_dim
-        return num_layers * per_layer * torch.empty((), dtype=dtype).element_size()
+        return (num_layers * per_layer + hidden_size) * torch.empty((), dtype=dtype).element_size()
 
     def available(self) -> int:
         return len(self._free)
@@ -79,6 +85,11 @@ class KVPool:
     def write_latent(self, layer_id: int, slots: torch.Tensor, latent: torch.Tensor) -> None:
         """MLA layout: latent [num_tokens, latent_dim] written at slots [num_tokens]."""
         self.kv_buffers[layer_id].index_copy_(0, slots, latent.to(self.dtype))
+
+    def write_hidden(self, slots: torch.Tensor, hidden: torch.Tensor) -> None:
+        """Final-normed hidden states [num_tokens, hidden_size] written at slots [num_tokens]."""
+        assert hidden.shape[0] == slots.shape[0], (hidden.shape, slots.shape)
+        self.hidden.index_copy_(0, slots, hidden.to(self.dtype))
 
     def check_integrity(self) -> None:
         free = self._free

@@ -169,8 +169,9 @@ class EngineConfig:
     # speculative decoding (rollout/config/speculative.py): a draft proposes tokens, one verify
     # forward keeps those equal to the target's own samples, so outputs never change
     speculative_algorithm: Optional[str] = field(default=None, metadata=flag(
-        help="NGRAM (drafts looked up in the prompt and output) or STANDALONE (a small draft checkpoint); "
-             "outputs equal those without it", default_text="off"))
+        help="NGRAM (drafts looked up in the prompt and output), STANDALONE (a small draft checkpoint) or "
+             "NEXTN (the checkpoint's own MTP layers; EAGLE on such a checkpoint means the same); outputs equal "
+             "those without it", default_text="off"))
     speculative_num_draft_tokens: Optional[int] = field(default=None, metadata=flag(
         type=int, help="verified positions per request and step: the drafts and the bonus token (SGLang's)",
         default_text=f"{DEFAULT_NUM_DRAFT_TOKENS}, or --speculative-num-steps + 1"))

@@ -2,7 +2,9 @@
 
 A draft proposes tokens after a request's last one; one verify forward of the target scores them
 all, and a draft token is kept iff it equals the token the target samples at that position with
-the request's own (seed, position) noise (rollout/core/speculation.py). SGLang's
+the request's own (seed, position) noise (rollout/core/output_processor.py). Drafts come from
+the prompt and output (NGRAM), a draft checkpoint (STANDALONE) or the checkpoint's own MTP layers
+(NEXTN; SGLang's EAGLE on such a checkpoint means the same). SGLang's
 `--speculative-num-draft-tokens` counts the verified positions of a step including the bonus
 token, so a chain of k drafts is `k + 1`, and `--speculative-num-steps` (the draft's depth) is k.
 """
@@ -12,13 +14,13 @@ from typing import Any, Optional
 
 from rollout.value_range import check_range
 
-SPECULATIVE_ALGORITHMS = ("NGRAM", "STANDALONE")
+SPECULATIVE_ALGORITHMS = ("NGRAM", "STANDALONE", "NEXTN")
 # SGLang's names this engine refuses, with the reason
 REFUSED_ALGORITHMS = {
-    "EAGLE": "EAGLE draft heads are not supported; use NGRAM, or STANDALONE with a small draft checkpoint",
-    "EAGLE3": "EAGLE3 draft heads are not supported; use NGRAM, or STANDALONE with a small draft checkpoint",
-    "NEXTN": "NEXTN (the checkpoint's MTP layers) is not supported yet; use NGRAM, or STANDALONE with a small "
-             "draft checkpoint",
+    "EAGLE": "EAGLE draft heads are not supported; use NEXTN on a checkpoint with MTP layers, NGRAM, or "
+             "STANDALONE with a small draft checkpoint",
+    "EAGLE3": "EAGLE3 draft heads are not supported; use NEXTN on a checkpoint with MTP layers, NGRAM, or "
+              "STANDALONE with a small draft checkpoint",
 }
 DEFAULT_NUM_DRAFT_TOKENS = 4          # verified positions per step: 3 drafts + the bonus token
 MAX_NUM_DRAFT_TOKENS = 64
@@ -40,6 +42,9 @@ def check_speculative(cfg: Any) -> Optional[str]:
     if not isinstance(algo, str):
         raise ValueError(f"speculative_algorithm must be one of {SPECULATIVE_ALGORITHMS} or None, got {algo!r}")
     name = algo.upper()
+    path = cfg.speculative_draft_model_path
+    if name == "EAGLE" and path in (None, cfg.model_path):
+        name = "NEXTN"   # NOTE: SGLang runs EAGLE on a DeepSeek-V3 / GLM-4.5 checkpoint as its own MTP layers
     if name in REFUSED_ALGORITHMS:
         raise ValueError(f"speculative_algorithm={algo!r}: {REFUSED_ALGORITHMS[name]}")
     if name not in SPECULATIVE_ALGORITHMS:
@@ -56,11 +61,14 @@ def check_speculative(cfg: Any) -> Optional[str]:
         raise ValueError(f"speculative_num_draft_tokens={cfg.speculative_num_draft_tokens} must be "
                          f"speculative_num_steps + 1 = {cfg.speculative_num_steps + 1} with chain drafts "
                          f"(speculative_eagle_topk 1); give one of the two")
-    path = cfg.speculative_draft_model_path
     if name == "STANDALONE":
         if not isinstance(path, str) or not path:
             raise ValueError(f"speculative_algorithm='STANDALONE' needs speculative_draft_model_path (a draft "
                              f"checkpoint directory with the target's tokenizer), got {path!r}")
+    elif name == "NEXTN":
+        if path not in (None, cfg.model_path):
+            raise ValueError(f"speculative_draft_model_path={path!r}: NEXTN reads the MTP layers of model_path's "
+                             f"own checkpoint; leave it unset (a separate MTP checkpoint is not supported)")
     elif path is not None:
         raise ValueError(f"speculative_draft_model_path={path!r} is read only by speculative_algorithm "
                          f"'STANDALONE', got {algo!r}")

@@ -1,40 +1,22 @@
 """DraftModelDrafter (SGLang's STANDALONE): a smaller checkpoint with the target's tokenizer
-proposes each request's next tokens greedily, with a KV cache of its own.
+proposes each request's next tokens greedily, with a KV cache of its own (DraftKV).
 
-Per request the draft keeps the KV of the positions it has fed (DraftSeq): those up to the
-request's last confirmed token, and the drafts it fed after them. At the next proposal the drafts
-the verify step kept are confirmed (their KV stays), the rest are given back, the tokens the draft
-has not seen (the target's bonus token, or the whole prompt at first) are fed in one extend
-forward, and each further draft is one decode forward of every drafting request together. The
-draft's forwards carry no capture buffer: its MoE layers (if any) never write the target's rows,
-and its KV, requests rows and experts are its own (a full copy on every DP rank, no collectives).
-A request that finishes or is retracted gives its draft KV back (release).
+Per request the draft keeps the KV of the positions it has fed: those up to the request's last
+confirmed token, and the drafts it fed after them. At the next proposal the drafts the verify step
+kept are confirmed (their KV stays), the rest are given back, the tokens the draft has not seen
+(the target's bonus token, or the whole prompt at first) are fed in one extend forward, and each
+further draft is one decode forward of every drafting request together.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
 import torch
 
-from rollout.batch.forward_batch import ForwardBatch
-from rollout.batch.kv_pool import KVPool, ReqToTokenPool
+from rollout.core.draft_kv import DraftKV, DraftSeq
 from rollout.core.drafter import draft_budget
 from rollout.models.moe.block import set_moe_backend
 from rollout.models.registry import load_model
-
-
-@dataclass
-class DraftSeq:
-    """One request's draft KV: its row of the draft's ReqToTokenPool, the positions whose KV is
-    the request's real tokens (confirmed) and the drafts fed after them."""
-    row: int
-    confirmed: int = 0
-    fed: list[int] = field(default_factory=list)
-
-    @property
-    def kv_len(self) -> int:
-        return self.confirmed + len(self.fed)
 
 
 class DraftModelDrafter:
@@ -46,19 +28,18 @@ class DraftModelDrafter:
         if info.vocab_size != target_vocab:
             raise ValueError(f"speculative_draft_model_path={model_path!r}: the draft's vocab_size {info.vocab_size} "
                              f"is not the target's {target_vocab}; a draft must share the target's tokenizer")
-        self.device = device
         self.max_drafts = num_draft_tokens - 1
-        kv_dtype = next(self.model.parameters()).dtype
-        self.kv_pool = KVPool(num_slots=num_slots, num_layers=info.num_hidden_layers, num_kv_heads=info.num_kv_heads,
-                              head_dim=info.head_dim, dtype=kv_dtype, device=device, latent_dim=info.kv_latent_dim)
-        self.rows = ReqToTokenPool(num_rows=max_requests, width=context_length, device=device)
+        self.kv = DraftKV(num_slots=num_slots, num_layers=info.num_hidden_layers, num_kv_heads=info.num_kv_heads,
+                          head_dim=info.head_dim, latent_dim=info.kv_latent_dim,
+                          dtype=next(self.model.parameters()).dtype, device=device,
+                          max_requests=max_requests, context_length=context_length)
 
     # ---- the drafter interface -------------------------------------------------------------------
     @torch.inference_mode()
     def propose(self, reqs: Sequence[Any], step: int) -> list[list[int]]:
         out: list[list[int]] = [[] for _ in reqs]
         work: list[tuple[int, Any, DraftSeq, int]] = []   # (index in reqs, request, its DraftSeq, drafts wanted)
-        room = self.kv_pool.available()
+        room = self.kv.available()
         for i, req in enumerate(reqs):
             k = draft_budget(req, self.max_drafts, step)
             if k == 0:
@@ -94,26 +75,18 @@ class DraftModelDrafter:
             step += 1
 
     def release(self, req: Any) -> None:
-        """Gives back a request's draft KV and row (it finished or was retracted)."""
-        seq = req.draft_state
-        if seq is None:
-            return
-        req.draft_state = None
-        if seq.kv_len:
-            self.kv_pool.free(self.rows.slots(seq.row, seq.kv_len))
-        self.rows.free(seq.row)
+        self.kv.release(req)
+
+    def memory(self, tag: str) -> list[torch.Tensor]:
+        """What release_memory_occupation frees with the target's: the draft's KV or its weights."""
+        return self.kv.tensors() if tag == "kv_cache" else [p.data for p in self.model.parameters()]
 
     # ---- internals -------------------------------------------------------------------------------
     def _sync(self, req: Any) -> Optional[DraftSeq]:
         """The request's DraftSeq with the drafts the verify step kept confirmed and the others'
         KV given back; None when the draft has no row left for it."""
-        seq = req.draft_state
-        if seq is None:
-            try:
-                seq = req.draft_state = DraftSeq(row=self.rows.alloc())
-            except RuntimeError:   # NOTE: every row is taken (cannot happen: one per running request)
-                return None
-        if seq.fed or seq.confirmed >= req.seq_len:
+        seq = self.kv.seq(req)
+        if seq is not None and (seq.fed or seq.confirmed >= req.seq_len):
             real = req.token_span(seq.confirmed, min(req.seq_len, seq.kv_len))
             kept = 0
             while kept < len(real) and real[kept] == seq.fed[kept]:
@@ -122,27 +95,11 @@ class DraftModelDrafter:
             # decoded without drafts (KV short) may have emitted exactly the fed draft, and a second
             # proposal in one step (after a retraction) finds the last token confirmed
             valid = min(seq.confirmed + kept, req.seq_len - 1)
-            self._truncate(seq, valid)
-            seq.confirmed = valid
-            seq.fed = []
+            self.kv.truncate(seq, valid)
+            seq.confirmed, seq.fed = valid, []
         return seq
-
-    def _truncate(self, seq: DraftSeq, kv_len: int) -> None:
-        if kv_len < seq.kv_len:
-            self.kv_pool.free(self.rows.slots(seq.row, seq.kv_len)[kv_len:])
-            del seq.fed[max(0, kv_len - seq.confirmed):]
 
     def _forward(self, work: list, ids: list[int], pre: list[int], ext: list[int]) -> list[int]:
         """One forward of the draft over the work's new tokens -> each request's greedy next token."""
-        slots = self.kv_pool.alloc(len(ids))
-        assert slots is not None, "the draft's KV was reserved"
-        off = 0
-        for (_, _, seq, _), p, e in zip(work, pre, ext):
-            self.rows.write(seq.row, p, slots[off:off + e])
-            off += e
-        rows = torch.tensor([seq.row for _, _, seq, _ in work], dtype=torch.int64)
-        kv_indices = self.rows.gather(rows, max(p + e for p, e in zip(pre, ext)))
-        fb = ForwardBatch.build(input_ids=ids, out_cache_loc=slots, prefix_lens=pre, extend_lens=ext,
-                                kv_indices=kv_indices, kv_pool=self.kv_pool, device=self.device,
-                                segment_attention=True)
+        fb = self.kv.forward_batch([seq for _, _, seq, _ in work], ids, pre, ext)
         return torch.argmax(self.model(fb), dim=-1).tolist()

@@ -11,6 +11,9 @@ passes max_new_tokens or the context, and a request whose drafts keep failing is
 none for a while (pace), so that a workload the drafter cannot guess costs little more than
 decoding without it.
 
+Drafters: NgramDrafter (here), DraftModelDrafter (STANDALONE: rollout/core/draft_model.py) and
+MtpDrafter (NEXTN: rollout/core/mtp_drafter.py).
+
 NgramDrafter (SGLang's NGRAM): the longest suffix of the request's tokens (between the min and
 max match window) that occurred earlier in its prompt or output, at its latest occurrence; the
 drafts are the tokens that followed it there.
@@ -125,12 +128,20 @@ class NgramDrafter:
     def release(self, req: Any) -> None:
         """A request that finished or was retracted: its token history stays valid (nothing to give back)."""
 
+    def memory(self, tag: str) -> list:
+        """Nothing for release_memory_occupation to free (no model, no KV)."""
+        return []
 
-def make_drafter(cfg: Any, *, device: Any, num_slots: int, context_length: int, vocab_size: int) -> Any:
-    """The drafter an EngineConfig asks for (None: speculation off). num_slots: the target's KV
-    slots (the draft model's KV gets as many), vocab_size: the target's."""
+
+def make_drafter(cfg: Any, *, target: Any, device: Any, num_slots: int, context_length: int,
+                 hidden: Any = None, target_slots: Any = None) -> Any:
+    """The drafter an EngineConfig asks for (None: speculation off). target: the target model;
+    num_slots: its KV slots (a draft model's KV gets as many); hidden: its KV pool's hidden states
+    by slot and target_slots(req) a request's target KV slots (NEXTN reads both)."""
     if cfg.speculative_algorithm is None:
         return None
+    common = dict(device=device, num_draft_tokens=cfg.verify_tokens_per_request, num_slots=num_slots,
+                  max_requests=cfg.max_running_requests, context_length=context_length)
     if cfg.speculative_algorithm == "NGRAM":
         return NgramDrafter(num_draft_tokens=cfg.verify_tokens_per_request,
                             min_match=cfg.speculative_ngram_min_match_window_size,
@@ -138,8 +149,10 @@ def make_drafter(cfg: Any, *, device: Any, num_slots: int, context_length: int, 
     if cfg.speculative_algorithm == "STANDALONE":
         from rollout.core.draft_model import DraftModelDrafter  # noqa: PLC0415  (it loads a model)
 
-        return DraftModelDrafter(model_path=cfg.speculative_draft_model_path, dtype=cfg.dtype, device=device,
-                                 num_draft_tokens=cfg.verify_tokens_per_request, num_slots=num_slots,
-                                 max_requests=cfg.max_running_requests, context_length=context_length,
-                                 target_vocab=vocab_size, moe_backend=cfg.resolved_moe_backend)
+        return DraftModelDrafter(model_path=cfg.speculative_draft_model_path, dtype=cfg.dtype,
+                                 target_vocab=target.info.vocab_size, moe_backend=cfg.resolved_moe_backend, **common)
+    if cfg.speculative_algorithm == "NEXTN":
+        from rollout.core.mtp_drafter import MtpDrafter  # noqa: PLC0415
+
+        return MtpDrafter(target=target, hidden=hidden, target_slots=target_slots, **common)
     raise ValueError(f"speculative_algorithm={cfg.speculative_algorithm!r} has no drafter")

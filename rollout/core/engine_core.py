@@ -84,7 +84,7 @@ class EngineCore(ControlCalls):
         cfg, ep_group = self.cfg, self.ep_group
         self.model, _ = load_model(cfg.model_path, cfg.dtype, self.device,
                                    expert_shard=(ep_group.rank, ep_group.size) if ep_group is not None else None,
-                                   quantization=cfg.quantization)
+                                   quantization=cfg.quantization, mtp=cfg.speculative_algorithm == "NEXTN")
         set_moe_backend(self.model, cfg.resolved_moe_backend)
         if cfg.enable_deterministic_inference:
             make_exact(self.model)
@@ -99,21 +99,27 @@ class EngineCore(ControlCalls):
         """The KV pool, the prefix cache over it and the scheduler that hands both out."""
         cfg, info = self.cfg, self.info
         kv_dtype = next(self.model.parameters()).dtype
-        per_slot = KVPool.bytes_per_slot(num_layers=info.num_hidden_layers, num_kv_heads=info.num_kv_heads,
-                                         head_dim=info.head_dim, dtype=kv_dtype, latent_dim=info.kv_latent_dim)
+        # NOTE: NEXTN keeps every token's hidden state beside its KV, and its MTP layer's own KV
+        mtp = cfg.speculative_algorithm == "NEXTN"
+        hidden_size = info.hidden_size if mtp else 0
+        per_slot = KVPool.bytes_per_slot(num_layers=info.num_hidden_layers + mtp, num_kv_heads=info.num_kv_heads,
+                                         head_dim=info.head_dim, dtype=kv_dtype, latent_dim=info.kv_latent_dim,
+                                         hidden_size=hidden_size)
         num_slots = cfg.max_total_tokens or max(2, self.kv_budget.bytes_after_load(self.model, per_slot) // per_slot)
         self.kv_pool = KVPool(num_slots=num_slots, num_layers=info.num_hidden_layers,
                               num_kv_heads=info.num_kv_heads, head_dim=info.head_dim,
-                              dtype=kv_dtype, device=self.device, latent_dim=info.kv_latent_dim)
+                              dtype=kv_dtype, device=self.device, latent_dim=info.kv_latent_dim,
+                              hidden_size=hidden_size)
         self.cache = RadixCache(self.kv_pool, enabled=cfg.enable_prefix_caching)
         self.prefill_token_budget = cfg.chunked_prefill_size or self.context_length
         self.scheduler = Scheduler(kv_pool=self.kv_pool, cache=self.cache,
                                    max_running_requests=cfg.max_running_requests,
                                    prefill_token_budget=self.prefill_token_budget,
                                    context_length=self.context_length,
-                                   drafter=make_drafter(cfg, device=self.device, num_slots=num_slots,
-                                                        context_length=self.context_length,
-                                                        vocab_size=info.vocab_size))
+                                   drafter=make_drafter(cfg, target=self.model, device=self.device,
+                                                        num_slots=num_slots, context_length=self.context_length,
+                                                        hidden=self.kv_pool.hidden,
+                                                        target_slots=lambda req: self.scheduler.kv_slots(req)))
 
     def _build_runner(self) -> None:
         """The routed-experts capturer (when enabled) and the model runner that fills it."""

@@ -40,9 +40,14 @@ class MemorySaver:
         return tuple(t for t in TAGS if t in self._held)
 
     def _tensors(self, tag: str) -> list[torch.Tensor]:
+        """The tag's tensors: the KV pool's (hidden states included) or the weights, and the
+        drafter's (speculative decoding: its KV, its own weights)."""
+        drafter = self.core.scheduler.drafter
+        extra = drafter.memory(tag) if drafter is not None else []
         if tag == "kv_cache":
-            return list(self.core.kv_pool.kv_buffers)
-        return _unique_storages(p.data for p in self.core.model.parameters())
+            pool = self.core.kv_pool
+            return list(pool.kv_buffers) + ([pool.hidden] if pool.hidden is not None else []) + extra
+        return _unique_storages([*(p.data for p in self.core.model.parameters()), *extra])
 
     def release(self, tags: tuple[str, ...]) -> list[str]:
         core = self.core

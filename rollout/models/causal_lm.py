@@ -99,7 +99,7 @@ class MoeCausalLM(nn.Module):
         """Expert parallel: keep only rank `rank` of `size`'s share of every MoE layer's experts.
         Call on the unloaded (meta) model; the loader then reads only those experts."""
         from rollout.models.moe.ep_group import expert_range
-        for module in self.modules():
+        for module in self.model.layers.modules():   # NOTE: an attached MTP layer (mtp.py) keeps all its experts
             if isinstance(module, FusedExperts):
                 module.shard(*expert_range(module.num_experts, rank, size))
 
@@ -117,9 +117,19 @@ class MoeCausalLM(nn.Module):
         x, cos, sin = self.embed(fb)
         for layer, mask in zip(self.model.layers, self.attention_masks(fb)):
             x = layer(x, cos, sin, fb, mask)
+        if getattr(fb.kv_pool, "hidden", None) is not None:
+            # NOTE: the logits below norm only their own rows, as without hidden states kept
+            self.store_hidden(self.model.norm(x), fb)
         if not return_all_logits:
             x = x[fb.logits_indices]                                        # [B, hidden]
         return self.logits(self.model.norm(x))
+
+    @staticmethod
+    def store_hidden(normed: torch.Tensor, fb: ForwardBatch) -> None:
+        """Every token's final-normed hidden state [N, hidden] into its KV slot, for a pool that keeps
+        them (NEXTN drafts: rollout/core/mtp_drafter.py). The logits are computed as without it."""
+        if getattr(fb.kv_pool, "hidden", None) is not None:
+            fb.kv_pool.write_hidden(fb.out_cache_loc, normed)
 
     # The parts of forward, for runners that run it piecewise (see runners/piecewise_backend.py).
     def embed(self, fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

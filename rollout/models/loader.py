@@ -75,6 +75,9 @@ def resolve(model: nn.Module, hf_name: str) -> Target | None:
     """Map an HF checkpoint name to a Target; None for tensors that are known and ignored."""
     if _IGNORED.search(hf_name):
         return None
+    skip = getattr(model, "checkpoint_skip", None)   # copies of tensors the model holds once (mtp.py)
+    if skip is not None and skip.match(hf_name):
+        return None
     skipped = getattr(getattr(model, "spec", None), "skipped_checkpoint_layers", ())
     if skipped and (m := _LAYER.match(hf_name)) and int(m.group(1)) in skipped:
         return None

@@ -127,12 +127,13 @@ def quantize_skeleton(model, model_path: str | Path, cfg: dict, quantization: st
 
 def load_model(model_path: str | Path, dtype: torch.dtype | str = "auto",
                device: str | torch.device = "cpu", expert_shard: tuple[int, int] | None = None,
-               quantization: str | None = None):
+               quantization: str | None = None, mtp: bool = False):
     """Build the model for model_path's architecture and load its safetensors weights.
 
     expert_shard: (rank, size) to hold and load only that rank's experts (expert parallel).
     quantization: "fp8" quantizes a float checkpoint's linear and expert weights as they load
-    (quant/fp8.py); an FP8 checkpoint is held in FP8 without it.
+    (quant/fp8.py); an FP8 checkpoint is held in FP8 without it. mtp: also load the checkpoint's
+    first multi-token-prediction layer, as model.mtp (NEXTN drafts; models/mtp.py).
     Returns (model in eval mode, config.json as a dict).
     """
     from rollout.models.loader import load_checkpoint  # noqa: PLC0415
@@ -151,7 +152,13 @@ def load_model(model_path: str | Path, dtype: torch.dtype | str = "auto",
     # NOTE: parameters are created on the meta device (no random init) and then materialised;
     # load_checkpoint overwrites every one of them or raises.
     with torch.device("meta"):
-        model = cls(spec).to(dtype)
+        model = cls(spec)
+        if mtp:
+            from rollout.models.loader import checkpoint_names  # noqa: PLC0415
+            from rollout.models.mtp import attach_mtp  # noqa: PLC0415
+
+            attach_mtp(model, cfg, checkpoint_names(model_path), str(model_path))
+        model = model.to(dtype)
         quantize_skeleton(model, model_path, cfg, quantization)
         if expert_shard is not None:
             model.shard_experts(*expert_shard)

@@ -76,6 +76,7 @@ class PiecewiseBackend:
 
         def last() -> None:
             x.copy_(self.model.model.norm(layers[-1].finish(x, attn, fb)))
+            self.model.store_hidden(x, fb)
 
         return [first] + [between(i) for i in range(1, len(layers))] + [last]
 
