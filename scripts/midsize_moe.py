@@ -5,6 +5,7 @@ transformers on them, each run in a fresh process.
     build(shape) -> Path      # cached under runs/bench/midsize-<shape>/ (rebuilt when absent)
     SHAPES["scaling"]         # ~110M parameters: 8 layers, 32 experts, top-4, hidden 512
     SHAPES["roofline"]        # ~1 GB float32: 8 layers, 32 experts, top-4, hidden 768
+    SHAPES["deepseek"]        # DeepSeek-V3's layout (MLA, grouped sigmoid routing) at the scaling size
 
 A run generates `new` tokens for `batch` requests of `prompt` random tokens (ignore_eos,
 temperature 1, fixed seeds): the engine through ``Rollout.generate``, transformers through
@@ -31,6 +32,10 @@ SHAPES = {
                     num_experts=32, num_experts_per_tok=4, moe_intermediate_size=256),
     "roofline": dict(hidden_size=768, num_hidden_layers=8, num_attention_heads=12, num_key_value_heads=4,
                      head_dim=64, num_experts=32, num_experts_per_tok=4, moe_intermediate_size=384),
+    "deepseek": dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=8,
+                     n_routed_experts=32, num_experts_per_tok=4, moe_intermediate_size=256, n_group=4, topk_group=2,
+                     n_shared_experts=1, first_k_dense_replace=1, q_lora_rank=256, kv_lora_rank=128,
+                     qk_nope_head_dim=32, qk_rope_head_dim=32, v_head_dim=32, num_nextn_predict_layers=0),
 }
 
 
@@ -42,16 +47,17 @@ def build(shape: str, out_root: Path = ROOT / "runs" / "bench", seed: int = 0) -
     if (out / "model.safetensors").exists():
         return out
     import torch
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    from transformers import AutoModelForCausalLM, DeepseekV3Config, Qwen3MoeConfig
 
     base = json.loads((TOKENIZER_FROM / "config.json").read_text())
-    cfg = Qwen3MoeConfig(vocab_size=base["vocab_size"], bos_token_id=0, eos_token_id=0, pad_token_id=0,
-                         dtype="float32", intermediate_size=4 * SHAPES[shape]["hidden_size"],
-                         max_position_embeddings=8192, rope_parameters={"rope_type": "default", "rope_theta": 1e6},
-                         rms_norm_eps=1e-6, initializer_range=0.02, tie_word_embeddings=False, norm_topk_prob=True,
-                         **SHAPES[shape])
+    config_class = DeepseekV3Config if shape == "deepseek" else Qwen3MoeConfig
+    cfg = config_class(vocab_size=base["vocab_size"], bos_token_id=0, eos_token_id=0, pad_token_id=0,
+                       dtype="float32", intermediate_size=4 * SHAPES[shape]["hidden_size"],
+                       max_position_embeddings=8192, rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+                       rms_norm_eps=1e-6, initializer_range=0.02, tie_word_embeddings=False, norm_topk_prob=True,
+                       **SHAPES[shape])
     torch.manual_seed(seed)
-    model = Qwen3MoeForCausalLM(cfg).to(torch.float32).eval()
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)
