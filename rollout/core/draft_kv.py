@@ -84,6 +84,14 @@ class DraftKV:
                                   kv_indices=kv_indices, kv_pool=self.pool, device=self.device,
                                   segment_attention=True)
 
+    def check_integrity(self, held: list[DraftSeq]) -> None:
+        """Every used draft slot and row belongs to one running request's DraftSeq."""
+        self.pool.check_integrity()
+        self.rows.check_integrity([seq.row for seq in held])
+        slots = [s for seq in held for s in self.rows.slots(seq.row, seq.kv_len).tolist()]
+        assert len(slots) == len(set(slots)) == self.pool.used(), (
+            f"draft slot leak: {len(slots)} held by requests, {self.pool.used()} used")
+
     def tensors(self) -> list[torch.Tensor]:
         """The KV storage (released with the target's KV by release_memory_occupation)."""
         return list(self.pool.kv_buffers)

@@ -381,3 +381,6 @@ class Scheduler:
         assert not (set(owned) & cached), "a KV slot is owned by a request and the cache"
         assert len(owned) + len(cached) == self.kv_pool.used(), (
             f"slot leak: {len(owned)} request-owned + {len(cached)} cached != {self.kv_pool.used()} used")
+        kv = getattr(self.drafter, "kv", None)   # a drafter's own KV (rollout/core/draft_kv.py)
+        if kv is not None:
+            kv.check_integrity([r.draft_state for r in self.running if r.draft_state is not None])
