@@ -52,7 +52,7 @@ class DraftKV:
         return req.draft_state
 
     def truncate(self, seq: DraftSeq, kv_len: int) -> None:
-        """Gives back the KV of positions kv_len.. (confirmed ones first become fed-then-dropped)."""
+        """Gives back the KV of positions kv_len.. (confirmed ones past it are no longer confirmed)."""
         if kv_len < seq.kv_len:
             self.pool.free(self.rows.slots(seq.row, seq.kv_len)[kv_len:])
             del seq.fed[max(0, kv_len - seq.confirmed):]

@@ -1,8 +1,9 @@
 """Drafters: speculative decoding's proposers of the tokens after each request's last one.
 
 A drafter's `propose(reqs, step)` returns one list of draft tokens per request (possibly empty;
-step: the scheduler's decode step count, which paces them), and
-`release(req)` gives back what it holds for a request that finished or was retracted. The
+step: the scheduler's decode step count, which paces them), `release(req)` gives back what it
+holds for a request that finished or was retracted, and `memory(tag)` lists the tensors
+/release_memory_occupation frees with the target's ("kv_cache" or "weights"). The
 scheduler feeds them after the request's last token in one verify forward, and the
 OutputProcessor keeps a draft token iff it equals the token the target samples at its position
 (rollout/core/output_processor.py), so a drafter can only change how fast a request goes, never
