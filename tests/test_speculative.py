@@ -176,6 +176,21 @@ def test_default_mode_greedy_equal_and_rows_are_the_routers(tiny_checkpoint, dra
     assert sum(o.spec_num_correct_drafts for o in outs["spec"]) > 0
 
 
+def test_nextn_default_mode_greedy_and_rows_are_transformers(tiny_checkpoint, tmp_path):
+    """Default kernels, NEXTN on DeepSeek-V3 (its MTP layer's greedy drafts hold): greedy tokens are
+    transformers' and every routing row (prompt and output) is its grouped router's."""
+    from test_deepseek_glm import assert_matches_hf
+
+    path = _mtp_checkpoint(tiny_checkpoint("deepseek_v3"), tmp_path)
+    prompts = _prompts(6, [11, 29])
+    greedy = {"temperature": 0.0, "max_new_tokens": 20, "ignore_eos": True}
+    with make_engine(path, **NEXTN) as engine:
+        outs = _run(engine, prompts, greedy)
+    for prompt, out in zip(prompts, outs):
+        assert out.spec_num_correct_drafts > 0
+        assert_matches_hf(str(path), prompt, out)
+
+
 class WrongDrafter:
     """Drafts that are never the target's tokens: each is one past the token greedy decoding emits
     there (known from a run without speculation)."""
