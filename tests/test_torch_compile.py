@@ -40,31 +40,36 @@ def _decode_batch(model, lengths, capture=None):
                               kv_indices=slot_table(slots), kv_pool=pool, capture=capture)
 
 
-def test_opaque_forward_is_one_graph_and_the_eager_forward(tiny_checkpoint):
+# qwen2_moe: a dense layer and a gated shared expert; gpt_oss: sinks, sliding windows (masks made
+# inside the attention op), biased router; minimax_m2: sigmoid routing with a correction bias
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe", "gpt_oss", "minimax_m2"])
+def test_opaque_forward_is_one_graph_and_the_eager_forward(tiny_checkpoint, arch):
     """The forward a compiled bucket traces has no graph break; run eagerly through its opaque
     ops it is bitwise the plain forward (logits and routing rows)."""
-    model, _ = load_model(tiny_checkpoint("qwen3_moe"), torch.float32)
+    model, _ = load_model(tiny_checkpoint(arch), torch.float32)
     info = model.info
     captures = [RoutedExpertsBuffer(rows=4, num_layers=info.num_hidden_layers, top_k=info.top_k) for _ in range(2)]
-    fb = _decode_batch(model, [5, 11, 3], capture=captures[0])
+    fb = _decode_batch(model, [5, 11, 13], capture=captures[0])   # past gpt_oss's window of 8
     with torch.inference_mode():
         ref = model(fb)
         opaque = dataclasses.replace(fb, capture=captures[1])
         got = model(dataclasses.replace(opaque, opaque=OpaqueStep(model, opaque)))
         explained = torch._dynamo.explain(model.forward)(dataclasses.replace(opaque, opaque=OpaqueStep(model, opaque)))
     assert torch.equal(got, ref)
-    assert torch.equal(captures[0].buffer, captures[1].buffer) and (captures[0].buffer[:3] >= 0).all()
+    moe = list(info.moe_layer_ids)
+    assert torch.equal(captures[0].buffer, captures[1].buffer) and (captures[0].buffer[:3, moe] >= 0).all()
     assert explained.graph_break_count == 0 and explained.graph_count == 1, explained.break_reasons
     ops = [str(n.target) for g in explained.graphs for n in g.graph.nodes if n.op == "call_function"]
     assert sum("rollout.attention" in o for o in ops) == info.num_hidden_layers
     assert sum("rollout.sparse_moe" in o for o in ops) == len(info.moe_layer_ids)
 
 
-def test_compiled_buckets_match_eager(tiny_checkpoint):
+@pytest.mark.parametrize("arch", ["qwen3_moe", pytest.param("gpt_oss", marks=pytest.mark.slow)])
+def test_compiled_buckets_match_eager(tiny_checkpoint, arch):
     """Compiled buckets 1 and 2 (of 1, 2, 4, 8) against the same engine without compile: greedy and
     seeded sampled requests, logprobs and routed experts; one graph per compiled bucket, no
     recompile while serving."""
-    path = tiny_checkpoint("qwen3_moe")
+    path = tiny_checkpoint(arch)
     batch = random_prompts(11, [6, 17, 9, 30, 4])
     # 5 requests finishing one by one: buckets 8, 4, 4, 2, 1 (the last two compiled)
     params = [dict(GREEDY, max_new_tokens=14), dict(SAMPLED, max_new_tokens=10, sampling_seed=3),
@@ -123,3 +128,22 @@ def test_mla_refused(tiny_checkpoint):
     model, _ = load_model(tiny_checkpoint("deepseek_v3"), torch.float32)
     with pytest.raises(ValueError, match="enable_torch_compile.*MLA"):
         CompiledBackend(model, (1,))
+
+
+@pytest.mark.slow
+def test_compiled_buckets_under_dp2_match_eager(tiny_checkpoint):
+    """DP attention (2 ranks): each rank compiles its buckets; the MoE op gathers every rank's rows
+    (the layout of the executing runner) inside, as eager."""
+    path = tiny_checkpoint("qwen3_moe")
+    batch = random_prompts(3, [5, 12, 7, 20, 9, 4])
+    params = [dict(GREEDY, max_new_tokens=m) for m in (12, 3, 8, 10, 5, 2)]
+    outs = {}
+    for compiled in (False, True):
+        with make_engine(path, dp_size=2, decode_graph_batch_sizes=(1, 2, 4), enable_torch_compile=compiled,
+                         torch_compile_max_bs=2, max_total_tokens=256) as engine:
+            outs[compiled] = engine.generate(input_ids=batch, sampling_params=params, return_logprob=True,
+                                             return_routed_experts=True)
+    for got, ref in zip(outs[True], outs[False], strict=True):
+        assert got.output_ids == ref.output_ids
+        assert (torch.tensor(got.output_logprobs) - torch.tensor(ref.output_logprobs)).abs().max().item() <= 1e-5
+        assert torch.equal(got.routed_experts, ref.routed_experts)
