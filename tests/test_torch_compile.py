@@ -147,3 +147,35 @@ def test_compiled_buckets_under_dp2_match_eager(tiny_checkpoint):
         assert got.output_ids == ref.output_ids
         assert (torch.tensor(got.output_logprobs) - torch.tensor(ref.output_logprobs)).abs().max().item() <= 1e-5
         assert torch.equal(got.routed_experts, ref.routed_experts)
+
+
+def test_compiled_buckets_follow_weight_updates_and_memory_release(tiny_checkpoint):
+    """The compiled graphs read the parameters they were compiled over: a weight swap (copied into
+    them) and a release / resume of weights and KV change what they compute exactly as they change
+    the uncompiled engine's, with no recompile."""
+    from safetensors.torch import load_file
+
+    path = tiny_checkpoint("qwen3_moe")
+    donor = load_file(str(tiny_checkpoint("qwen3_moe", seed=1) / "model.safetensors"))
+    batch = random_prompts(5, [7, 15])
+    params = [dict(GREEDY, max_new_tokens=8)] * 2
+    outs = {}
+    for compiled in (False, True):
+        with make_engine(path, client="inproc", decode_graph_batch_sizes=(1, 2), enable_torch_compile=compiled,
+                         max_total_tokens=256) as engine:
+            run = lambda: engine.generate(input_ids=batch, sampling_params=params, return_logprob=True,  # noqa: E731
+                                          return_routed_experts=True)
+            before = run()
+            engine.release_memory_occupation()
+            engine.resume_memory_occupation()
+            again = run()
+            engine.swap_weights(donor, weight_version="w2")
+            outs[compiled] = (before, again, run())
+            graphs = engine.debug(lambda core: core.runner.report()[DECODE]["graphs"])
+        assert graphs == ({"1": 1, "2": 1} if compiled else {})
+        assert [o.output_ids for o in outs[compiled][0]] == [o.output_ids for o in outs[compiled][1]]
+        assert [o.output_ids for o in outs[compiled][0]] != [o.output_ids for o in outs[compiled][2]]
+    for got, ref in zip(sum(outs[True], []), sum(outs[False], []), strict=True):
+        assert got.output_ids == ref.output_ids
+        assert (torch.tensor(got.output_logprobs) - torch.tensor(ref.output_logprobs)).abs().max().item() <= 1e-5
+        assert torch.equal(got.routed_experts, ref.routed_experts)
