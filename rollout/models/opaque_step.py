@@ -46,6 +46,17 @@ class OpaqueStep(OpaqueBase):
     def layer(self, layer_id: int) -> torch.nn.Module:
         return self.model.model.layers[layer_id]
 
+    def __reduce__(self):
+        # NOTE: only inductor's on-disk cache keys pickle a step (the example input of a compile):
+        # a compiled graph never depends on which step it was compiled with, so every step
+        # pickles alike (and the key never copies the step's KV pool)
+        return (_step_placeholder, ())
+
+
+def _step_placeholder() -> None:
+    """What an unpickled OpaqueStep is: nothing (see OpaqueStep.__reduce__)."""
+    return None
+
 
 register_opaque_type(OpaqueStep, typ="reference")
 

@@ -73,12 +73,8 @@ class CompiledBackend(GraphBackend):
         start = time.perf_counter()
         self._compiling = key
         try:
-            # NOTE: every bucket is one more specialization of the same function: allow them all.
-            # No on-disk FX / AOT caches: their keys would pickle the OpaqueStep example input,
-            # whose batch holds the whole KV pool (minutes of tolist() per graph)
-            with torch._dynamo.config.patch(recompile_limit=max(8, 2 * len(self.compile_keys) + 8)), \
-                    torch._inductor.config.patch(fx_graph_cache=False), \
-                    torch._functorch.config.patch(enable_autograd_cache=False):
+            # NOTE: every bucket is one more specialization of the same function: allow them all
+            with torch._dynamo.config.patch(recompile_limit=max(8, 2 * len(self.compile_keys) + 8)):
                 out = self._run_compiled(fb)
         finally:
             self._compiling = None
