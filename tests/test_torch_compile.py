@@ -179,3 +179,16 @@ def test_compiled_buckets_follow_weight_updates_and_memory_release(tiny_checkpoi
         assert got.output_ids == ref.output_ids
         assert (torch.tensor(got.output_logprobs) - torch.tensor(ref.output_logprobs)).abs().max().item() <= 1e-5
         assert torch.equal(got.routed_experts, ref.routed_experts)
+
+
+def test_config_file(tmp_path):
+    from rollout.config.config_file import ConfigFileError, load_engine_config
+
+    path = tmp_path / "engine.yaml"
+    path.write_text("engine:\n  decode_graph_batch_sizes: [1, 8, 64]\n  enable_torch_compile: true\n"
+                    "  torch_compile_max_bs: 8\n")
+    cfg = load_engine_config(str(path))
+    assert cfg.enable_torch_compile and cfg.torch_compile_max_bs == 8
+    path.write_text("engine:\n  decode_graph_batch_sizes: [64]\n  enable_torch_compile: true\n  torch_compile_max_bs: 8\n")
+    with pytest.raises((ConfigFileError, ValueError), match="torch_compile_max_bs"):
+        load_engine_config(str(path))
