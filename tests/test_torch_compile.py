@@ -26,8 +26,8 @@ SAMPLED = {"temperature": 0.9, "top_p": 0.95, "ignore_eos": True}
 def _decode_batch(model, lengths, capture=None):
     """A KV pool holding `lengths` prompts (prefilled eagerly) and the decode step after them."""
     info = model.info
-    pool = KVPool(num_slots=sum(lengths) + len(lengths) + 8, num_layers=info.num_hidden_layers, num_kv_heads=info.num_kv_heads,
-                  head_dim=info.head_dim, dtype=torch.float32)
+    pool = KVPool(num_slots=sum(lengths) + len(lengths) + 8, num_layers=info.num_hidden_layers,
+                  num_kv_heads=info.num_kv_heads, head_dim=info.head_dim, dtype=torch.float32)
     prompts = random_prompts(7, lengths)
     slots = [pool.alloc(n + 1) for n in lengths]
     with torch.inference_mode():
