@@ -151,6 +151,8 @@ ENGINE_FLAGS_BEFORE = {
     "--disable-prefix-caching": (False, 0, None, None),
     "--decode-graph-batch-sizes": ([], "*", int, None),
     "--prefill-graph-token-sizes": ([], "*", int, None),
+    "--enable-torch-compile": (False, 0, None, None),
+    "--torch-compile-max-bs": (32, None, int, None),
     "--seed": (0, None, int, None),
     "--weight-version": ("default", None, None, None),
     "--stream-interval": (1, None, int, None),

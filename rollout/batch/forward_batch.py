@@ -152,6 +152,9 @@ class ForwardBatch:
     prefix_groups: tuple = ()        # eager decode: (shared length, batch rows) of requests sharing a prefix
     attention: Optional[Any] = None  # the engine's attention backend (None: PagedAttention's torch path)
     attention_plan: Optional[Any] = None   # what that backend prepared for this forward (bind)
+    # a compiled forward's OpaqueStep (rollout/models/opaque_step.py): attention and the MoE layers
+    # run through its opaque ops; None: eager
+    opaque: Optional[Any] = None
     # seq_lens / extend_lens as host ints (build has them): a backend planning on the host reads
     # these, not the device tensors (no sync)
     host_seq_lens: tuple = ()

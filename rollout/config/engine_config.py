@@ -26,6 +26,7 @@ MAX_BUCKET_BYTES = 2**40
 DEFAULT_KV_CACHE_BYTES = 512 * 2**20
 DEFAULT_DIST_TIMEOUT_S = 300
 MAX_NODES = 1 << 12
+MAX_COMPILE_BS = 1 << 16
 
 
 def _int_tuple(name: str, value: Any, *, minimum: int = 1) -> tuple[int, ...]:
@@ -94,6 +95,13 @@ class EngineConfig:
     prefill_graph_token_sizes: tuple[int, ...] = field(default=(), metadata=flag(
         type=int, help="prefill token counts run as static-shape piecewise runners; larger prefills run eagerly",
         default_text="none: eager prefill"))
+    # torch.compile (SGLang's flags): the decode buckets up to torch_compile_max_bs run an inductor-
+    # compiled forward, one specialization per bucket, compiled at startup; attention and the MoE
+    # layers run inside it as opaque ops (rollout/models/opaque_step.py, rollout/exec/runners/compiled_backend.py)
+    enable_torch_compile: bool = field(default=False, metadata=flag(
+        help="compile the decode buckets' forward with torch.compile (inductor), one graph per bucket, at startup"))
+    torch_compile_max_bs: int = field(default=32, metadata=flag(
+        type=int, help="--enable-torch-compile: the largest decode bucket compiled; larger buckets run as without it"))
     dp_size: int = field(default=1, metadata=flag(
         type=int, aliases=("--data-parallel-size",),
         help="data-parallel engine ranks, one process each (on CUDA one GPU each), the routed experts "
@@ -231,13 +239,16 @@ class EngineConfig:
         check_range("stream_interval", self.stream_interval, 1, integer=True)
         check_range("weight_update_bucket_bytes", self.weight_update_bucket_bytes, 1, MAX_BUCKET_BYTES, integer=True)
         for name in ("enable_prefix_caching", "enable_return_routed_experts", "enable_profile_graph_capture",
-                     "enable_deterministic_inference", "allow_auto_truncate"):
+                     "enable_deterministic_inference", "allow_auto_truncate", "enable_torch_compile"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a boolean, got {getattr(self, name)!r}")
         object.__setattr__(self, "decode_graph_batch_sizes",
                            _int_tuple("decode_graph_batch_sizes", self.decode_graph_batch_sizes))
         object.__setattr__(self, "prefill_graph_token_sizes",
                            _int_tuple("prefill_graph_token_sizes", self.prefill_graph_token_sizes))
+        check_range("torch_compile_max_bs", self.torch_compile_max_bs, 1, MAX_COMPILE_BS, integer=True)
+        if self.enable_torch_compile:
+            self._check_torch_compile()
         check_choice("moe_backend", self.moe_backend, MOE_BACKENDS, or_none=True, why="by device")
         check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS, or_none=True, why="by device")
         if self.enable_deterministic_inference:
@@ -253,6 +264,22 @@ class EngineConfig:
         algo = check_speculative(self)
         if algo is not None:
             object.__setattr__(self, "speculative_algorithm", algo)
+
+    def _check_torch_compile(self) -> None:
+        """enable_torch_compile compiles decode buckets: there must be one to compile."""
+        if not any(size <= self.torch_compile_max_bs for size in self.decode_graph_batch_sizes):
+            raise ValueError(f"enable_torch_compile compiles the decode_graph_batch_sizes buckets up to "
+                             f"torch_compile_max_bs={self.torch_compile_max_bs}, but there is none "
+                             f"(decode_graph_batch_sizes={list(self.decode_graph_batch_sizes)})")
+        if self.enable_deterministic_inference:
+            # NOTE: measured (tests/test_torch_compile.py): inductor fuses the batch-invariant ops
+            # (rollout.exact) into kernels that round differently, so compiled outputs are not
+            # bitwise those of the same engine without enable_torch_compile
+            raise ValueError("enable_torch_compile and enable_deterministic_inference cannot be combined: the "
+                             "compiled forward is not bitwise equal to the uncompiled one; turn one of them off")
+        if not self.device.startswith("cpu"):
+            # NOTE: on CUDA the decode buckets replay CUDA graphs; compiling inside them is not built yet
+            raise ValueError(f"enable_torch_compile runs on device cpu only so far, got device={self.device!r}")
 
     def check_devices(self) -> None:
         """Raises ValueError when this machine lacks the GPUs the config asks for (DP rank r runs

@@ -139,7 +139,8 @@ class EngineCore(ControlCalls):
                                   seq_capacity=self.context_length, ep_group=self.ep_group,
                                   attention_backend=make_attention_backend(
                                       cfg.resolved_attention_backend, device=self.device, model=self.model,
-                                      exact=cfg.enable_deterministic_inference))
+                                      exact=cfg.enable_deterministic_inference),
+                                  torch_compile_max_bs=cfg.torch_compile_max_bs if cfg.enable_torch_compile else None)
         if self.capturer is not None:
             self.runner.plan.check_capture_fits(self.capturer.buffer.rows)
         self.runner.capture(GraphCaptureProfiler(cfg.resolved_profile_graph_capture_dir))

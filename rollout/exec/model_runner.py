@@ -24,6 +24,7 @@ from capture.capturer import GatherLayout
 from rollout.batch.forward_batch import ForwardBatch, ForwardOutput, ScheduledBatch
 from rollout.batch.kv_pool import KVPool
 from rollout.exec.runners.capture_profiler import GraphCaptureProfiler
+from rollout.exec.runners.compiled_backend import CompiledBackend
 from rollout.exec.runners.decode_graph_runner import DecodeGraphRunner
 from rollout.exec.runners.graph_backend import CudaGraphBackend, GraphBackend, GraphMemoryPool
 from rollout.exec.runners.piecewise_backend import PiecewiseBackend
@@ -170,13 +171,15 @@ class ModelRunner:
                  limits: Optional[ForwardShapeLimits] = None, capture_buffer: Optional[Any] = None,
                  seq_capacity: Optional[int] = None, ep_group: Optional[Any] = None,
                  use_cuda_graphs: Optional[bool] = None, static_grid: Optional[bool] = None,
-                 attention_backend: Optional[Any] = None):
+                 attention_backend: Optional[Any] = None, torch_compile_max_bs: Optional[int] = None):
         """limits: the same ForwardShapeLimits the capture buffer is sized from (None: eager only).
         attention_backend: bound into every forward of every runner (models/attention_backend.py;
         None: torch).
 
         use_cuda_graphs: default on for a CUDA device. static_grid: keep the decode attention grid
-        at seq_capacity keys (default: only with CUDA graphs, which need it).
+        at seq_capacity keys (default: only with CUDA graphs, which need it). torch_compile_max_bs:
+        the decode buckets up to it run a torch.compile'd forward (runners/compiled_backend.py;
+        None: none is compiled).
         """
         self.model = model
         self.kv_pool = kv_pool
@@ -200,7 +203,14 @@ class ModelRunner:
                       attention=attention_backend)
         self.runners: dict[str, Any] = {EAGER: EagerRunner(**common)}
         if limits.decode_graph_batch_sizes:
-            backend = CudaGraphBackend(model, self.graph_pool) if use_cuda_graphs else GraphBackend(model)
+            compile_keys = tuple(s for s in limits.decode_graph_batch_sizes
+                                 if torch_compile_max_bs is not None and s <= torch_compile_max_bs)
+            if compile_keys:
+                if use_cuda_graphs:
+                    raise ValueError("enable_torch_compile is not built for CUDA graphs yet: run it on device cpu")
+                backend = CompiledBackend(model, compile_keys)
+            else:
+                backend = CudaGraphBackend(model, self.graph_pool) if use_cuda_graphs else GraphBackend(model)
             self.runners[DECODE] = DecodeGraphRunner(
                 sizes=limits.decode_graph_batch_sizes, backend=backend, dp_size=limits.dp_size,
                 seq_capacity=seq_capacity if static_grid else None, **common)
@@ -213,13 +223,15 @@ class ModelRunner:
         self.recent_layouts: deque[GatherLayout] = deque(maxlen=512)
 
     def capture(self, profiler: Optional[GraphCaptureProfiler] = None) -> None:
-        """Captures every static runner's buckets: CUDA graphs on GPU; on CPU only
-        with a profiler (then each capture is a warm-up forward of that bucket's static buffers)."""
+        """Captures every static runner's buckets: CUDA graphs on GPU; compiled buckets
+        (torch.compile) anywhere; on CPU otherwise only with a profiler (then each capture is a
+        warm-up forward of that bucket's static buffers)."""
         profiler = profiler or GraphCaptureProfiler(None)
         # NOTE: prefill buckets (hundreds of tokens) first: smaller graphs reuse their pool memory
         for name in (PREFILL, DECODE):
             runner = self.runners.get(name)
-            if runner is not None and (runner.backend.uses_graphs or profiler.enabled):
+            if runner is not None and (runner.backend.uses_graphs or getattr(runner.backend, "compiles", False)
+                                       or profiler.enabled):
                 runner.capture(profiler, self.dp_rank)
 
     def report(self) -> dict:
@@ -228,8 +240,12 @@ class ModelRunner:
         for name, runner in self.runners.items():
             graphs = getattr(runner.backend, "graphs", {}) if hasattr(runner, "backend") else {}
             out[name] = {"uses_graphs": bool(getattr(getattr(runner, "backend", None), "uses_graphs", False)),
-                         "graphs": {str(k): len(v) if isinstance(v, list) else 1 for k, v in graphs.items()},
+                         "graphs": {str(k): v if isinstance(v, int) else len(v) if isinstance(v, list) else 1
+                                    for k, v in graphs.items()},
                          "forwards": self.counts[name]}
+            compile_seconds = getattr(getattr(runner, "backend", None), "compile_seconds", None)
+            if compile_seconds is not None:
+                out[name]["compile_seconds"] = {str(k): round(v, 3) for k, v in compile_seconds.items()}
         return out
 
     @torch.inference_mode()

@@ -13,6 +13,7 @@ from rollout.models.attention.paged import PagedAttention
 from rollout.models.attention.self_attention import SelfAttention
 from rollout.models.layers import GatedMLP, RMSNorm, RotaryEmbedding
 from rollout.models.moe.block import SparseMoE
+from rollout.models import opaque_step
 from rollout.models.moe.experts import FusedExperts
 from rollout.models.registry import ModelInfo
 from rollout.models.spec import ModelSpec
@@ -34,6 +35,10 @@ class DecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fb: ForwardBatch,
                 attn_mask: torch.Tensor | None = None) -> torch.Tensor:
         """x [N, hidden] -> [N, hidden]; same op order as HF (no fused add+norm) for bf16 parity."""
+        if fb.opaque is not None:
+            # a compiled forward: the KV write and the attention core are one opaque op
+            q, k, v = self.self_attn.qkv(self.input_layernorm(x), cos, sin)
+            return self.finish(x, opaque_step.attention(fb.opaque, self.layer_id, q, k, v), fb)
         q = self.attention_input(x, cos, sin, fb)
         return self.finish(x, self.self_attn.attn.attend(q, fb, attn_mask), fb)
 
@@ -47,7 +52,9 @@ class DecoderLayer(nn.Module):
         """x [N, hidden] (the layer's input), attn [N, H*D] (attention core output) -> [N, hidden]."""
         x = x + self.self_attn.output(attn)
         h = self.post_attention_layernorm(x)
-        return x + (self.mlp(h, fb) if self.is_moe else self.mlp(h))
+        if not self.is_moe:
+            return x + self.mlp(h)
+        return x + (self.mlp(h, fb) if fb.opaque is None else opaque_step.sparse_moe(fb.opaque, self.layer_id, h))
 
 
 class MoeCausalLM(nn.Module):
@@ -115,7 +122,9 @@ class MoeCausalLM(nn.Module):
     def forward(self, fb: ForwardBatch, return_all_logits: bool = False) -> torch.Tensor:
         """-> float32 logits [B, vocab] at fb.logits_indices, or [N, vocab] with return_all_logits."""
         x, cos, sin = self.embed(fb)
-        for layer, mask in zip(self.model.layers, self.attention_masks(fb)):
+        # NOTE: a compiled forward's attention op makes its masks itself (they have the step's grid)
+        masks = self.attention_masks(fb) if fb.opaque is None else [None] * len(self.model.layers)
+        for layer, mask in zip(self.model.layers, masks):
             x = layer(x, cos, sin, fb, mask)
         if getattr(fb.kv_pool, "hidden", None) is not None:
             # NOTE: the logits below norm only their own rows, as without hidden states kept

@@ -29,6 +29,7 @@ class GraphBackend:
     """No graphs: "capture" is a warm-up forward over the static buffers; run is a plain forward."""
 
     uses_graphs = False
+    compiles = False    # CompiledBackend: capture compiles (at startup, on any device)
 
     def __init__(self, model: torch.nn.Module):
         self.model = model

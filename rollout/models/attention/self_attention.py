@@ -42,6 +42,13 @@ class SelfAttention(nn.Module):
 
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
         """x [N, hidden] -> q [N, H, D] (normed, rotated); this forward's k/v go into the KV pool."""
+        q, k, v = self.qkv(x, cos, sin)
+        self.attn.write_kv(k, v, fb)
+        return q
+
+    def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [N, hidden] -> q [N, H, D], k [N, kvH, D] (normed, rotated), v [N, kvH, D]; nothing written."""
         n = x.shape[0]
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)          # [N, H*D], [N, kvH*D] x2
         if self.qk_norm == "full":
@@ -55,5 +62,4 @@ class SelfAttention(nn.Module):
         if self.qk_norm == "head":
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = RotaryEmbedding.apply(q, cos, sin), RotaryEmbedding.apply(k, cos, sin)
-        self.attn.write_kv(k, v, fb)
-        return q
+        return q, k, v
