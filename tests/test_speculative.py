@@ -463,17 +463,21 @@ def test_mtp_layer_is_transformers_decoder_layer(tiny_checkpoint, tmp_path, arch
     torch.testing.assert_close(torch.cat(got), ref, atol=2e-4, rtol=2e-4)
 
 
-def test_nextn_feeds_the_targets_hidden_states(tiny_checkpoint, tmp_path):
+@pytest.mark.parametrize("arch, kw", [
+    ("deepseek_v3", {}),
+    # the decode steps without drafts run compiled buckets: their hidden states are the compiled graph's
+    ("glm4_moe", {"enable_torch_compile": True, "decode_graph_batch_sizes": (1, 2)})])
+def test_nextn_feeds_the_targets_hidden_states(tiny_checkpoint, tmp_path, arch, kw):
     """Every position the MTP layer is fed with the target's state gets the token after it and the
     target's final-normed hidden state there (transformers' own forward), prefix-cache hits included
     (their hidden states sit in the shared slots)."""
     from transformers import AutoModelForCausalLM
 
-    path = _mtp_checkpoint(tiny_checkpoint("deepseek_v3"), tmp_path, echo=False)
+    path = _mtp_checkpoint(tiny_checkpoint(arch), tmp_path, echo=False)
     prompts = random_prompts(8, [12, 27])
     greedy = {"temperature": 0.0, "max_new_tokens": 12, "ignore_eos": True}
     fed = []
-    with make_engine(path, client="inproc", **NEXTN) as engine:
+    with make_engine(path, client="inproc", **NEXTN, **kw) as engine:
         def install(core):
             drafter = core.scheduler.drafter
             propose, forward, first = drafter.propose, drafter.model.forward, [False]

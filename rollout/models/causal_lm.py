@@ -8,12 +8,12 @@ from torch import nn
 
 from rollout import exact as exact_ops
 from rollout.batch.forward_batch import ForwardBatch
+from rollout.models import opaque_step
 from rollout.models.attention.mla import MLASelfAttention
 from rollout.models.attention.paged import PagedAttention
 from rollout.models.attention.self_attention import SelfAttention
 from rollout.models.layers import GatedMLP, RMSNorm, RotaryEmbedding
 from rollout.models.moe.block import SparseMoE
-from rollout.models import opaque_step
 from rollout.models.moe.experts import FusedExperts
 from rollout.models.registry import ModelInfo
 from rollout.models.spec import ModelSpec
