@@ -127,7 +127,7 @@ def with_mtp_layer(src: str | Path, dst: str | Path, seed: int = 1, echo: bool =
     num_hidden_layers), in a file of its own, and num_nextn_predict_layers 1 in config.json.
     echo: an MTP layer whose output is the embedding of its input token (attention and MLP outputs
     zero, eh_proj passes enorm(embed(t_{i+1})) through): on a target whose layers add little to the
-    embeddings (a small std) it predicts what the target predicts after t_{i+1}, so drafts hold."""
+    embeddings (damped_checkpoint) it predicts what the target predicts after t_{i+1}, so drafts hold."""
     import json
     import shutil
 
