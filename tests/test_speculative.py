@@ -344,6 +344,34 @@ def test_speculative_settings_resolve():
                         speculative_eagle_topk=1).verify_tokens_per_request == 3
 
 
+def test_kv_budget_counts_the_drafts_memory(tiny_checkpoint, tmp_path):
+    """The KV cache's bytes hold the draft's memory per slot too: a STANDALONE draft's own KV (the
+    target as its draft: twice the bytes per slot), NEXTN's hidden state and MTP layer's KV."""
+    from rollout.batch.kv_pool import KVPool
+    from rollout.core.engine_core import EngineCore
+    from rollout.models.registry import model_info
+
+    budget = 1 << 20
+
+    def slots(path, **spec) -> int:
+        cfg = EngineConfig(model_path=str(path), tokenizer_path=DEFAULT_MODEL_PATH, dtype="float32",
+                           kv_cache_bytes=budget, **spec)
+        core = EngineCore(cfg)
+        return core.kv_capacity
+
+    def per_slot(info, layers: int, hidden: int = 0) -> int:
+        return KVPool.bytes_per_slot(num_layers=layers, num_kv_heads=info.num_kv_heads, head_dim=info.head_dim,
+                                     dtype=torch.float32, latent_dim=info.kv_latent_dim, hidden_size=hidden)
+
+    qwen = tiny_checkpoint("qwen3_moe")
+    info = model_info(qwen)
+    assert slots(qwen, **SPEC) == budget // per_slot(info, info.num_hidden_layers)
+    assert slots(qwen, **_standalone(qwen)) == budget // (2 * per_slot(info, info.num_hidden_layers))
+    mtp = _mtp_checkpoint(tiny_checkpoint("deepseek_v3"), tmp_path, echo=False)
+    info = model_info(mtp)
+    assert slots(mtp, **NEXTN) == budget // per_slot(info, info.num_hidden_layers + 1, info.hidden_size)
+
+
 def test_draft_with_another_vocabulary_is_refused_at_startup(tiny_checkpoint):
     from rollout.core.engine_core import EngineCore
 

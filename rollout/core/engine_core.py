@@ -36,7 +36,7 @@ from rollout.ipc.messages import ReqUpdate
 from rollout.models.attention.backend import make_attention_backend
 from rollout.models.moe.block import set_moe_backend
 from rollout.models.moe.experts import FusedExperts
-from rollout.models.registry import load_model
+from rollout.models.registry import load_model, model_info
 from rollout.tokenizer import Tokenizer
 
 ABORT_MESSAGE = "aborted by request"
@@ -99,12 +99,17 @@ class EngineCore(ControlCalls):
         """The KV pool, the prefix cache over it and the scheduler that hands both out."""
         cfg, info = self.cfg, self.info
         kv_dtype = next(self.model.parameters()).dtype
-        # NOTE: NEXTN keeps every token's hidden state beside its KV, and its MTP layer's own KV
+        # NOTE: NEXTN keeps every token's hidden state beside its KV, and its MTP layer's own KV;
+        # a STANDALONE draft keeps a KV of its own with as many slots
         mtp = cfg.speculative_algorithm == "NEXTN"
         hidden_size = info.hidden_size if mtp else 0
         per_slot = KVPool.bytes_per_slot(num_layers=info.num_hidden_layers + mtp, num_kv_heads=info.num_kv_heads,
                                          head_dim=info.head_dim, dtype=kv_dtype, latent_dim=info.kv_latent_dim,
                                          hidden_size=hidden_size)
+        if cfg.speculative_algorithm == "STANDALONE":
+            draft = model_info(cfg.speculative_draft_model_path)
+            per_slot += KVPool.bytes_per_slot(num_layers=draft.num_hidden_layers, num_kv_heads=draft.num_kv_heads,
+                                              head_dim=draft.head_dim, dtype=kv_dtype, latent_dim=draft.kv_latent_dim)
         num_slots = cfg.max_total_tokens or max(2, self.kv_budget.bytes_after_load(self.model, per_slot) // per_slot)
         self.kv_pool = KVPool(num_slots=num_slots, num_layers=info.num_hidden_layers,
                               num_kv_heads=info.num_kv_heads, head_dim=info.head_dim,
