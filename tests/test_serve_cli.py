@@ -200,8 +200,11 @@ def _engine_processes(pid: int) -> list[psutil.Process]:
 def test_ctrl_c_during_startup_is_one_line_exit_130(when):
     """Ctrl-C in a terminal: SIGINT to the whole foreground process group, engine processes included."""
     env = dict(os.environ, PYTHONPATH=str(ROOT))
+    # NOTE: as a terminal starts it: SIGINT at its default (a suite run as a background job of a
+    # non-interactive shell inherits SIGINT ignored, and so would the server)
     p = subprocess.Popen([sys.executable, "-m", "rollout.server", "--port", "0"], cwd=ROOT, env=env,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     engines: list[psutil.Process] = []
     try:
         if when == "importing":
