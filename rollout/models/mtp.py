@@ -1,6 +1,6 @@
 """MultiTokenPredictor: a checkpoint's multi-token-prediction (MTP) layer, NEXTN's draft.
 
-DeepSeek-V3 / Kimi-K2 / GLM-4.5 checkpoints carry `num_nextn_predict_layers` MTP layers after the
+DeepSeek-V3/R1 and GLM-4.5 checkpoints carry `num_nextn_predict_layers` MTP layers after the
 decoder, as `model.layers.{N}.*` (N = num_hidden_layers). At position i the layer reads the
 target's final-normed hidden state h_i and the embedding of the token after it, t_{i+1}:
 
