@@ -6,6 +6,7 @@ rows (RoutedExpertsCapturer)."""
 from __future__ import annotations
 
 import logging
+import threading
 from dataclasses import dataclass
 from typing import Optional
 
@@ -158,6 +159,8 @@ class RoutedExpertsCapturer:
         self.buffer = RoutedExpertsBuffer(rows=capture_buffer_rows(limits), num_layers=num_layers,
                                           top_k=top_k, device=device)
         self._pending: Optional[tuple[torch.Tensor, torch.Tensor, Optional[torch.cuda.Event]]] = None
+        # NOTE: the overlap schedule commits on the forward thread while the scheduling thread reads rows
+        self._lock = threading.Lock()
         self.store = RoutedExpertsStore(num_slots=num_slots, num_layers=num_layers, top_k=top_k,
                                         num_experts=num_experts, moe_layer_ids=moe_layer_ids)
         logger.info("routed-expert capture: device buffer %d rows = %d bytes; host store %d slots x %d bytes "
@@ -173,7 +176,11 @@ class RoutedExpertsCapturer:
         NOTE: on CUDA a non_blocking copy into pinned memory with an event: the step's host work
         (sampling's one read of the results, which follows the copy on the stream) never waits
         for it separately. The copy is taken now because the next forward overwrites the buffer."""
-        self.flush()
+        with self._lock:
+            self._commit(layout, out_cache_loc, keep)
+
+    def _commit(self, layout: GatherLayout, out_cache_loc: torch.Tensor, keep: Optional[list[int]]) -> None:
+        self._flush()
         start, stop = layout.rank_rows(self.dp_rank)
         assert stop - start == out_cache_loc.numel(), (layout, out_cache_loc.numel())
         if keep is not None:
@@ -194,6 +201,10 @@ class RoutedExpertsCapturer:
 
     def flush(self) -> None:
         """Writes the rows of the last commit into the host store (waiting for their copy)."""
+        with self._lock:
+            self._flush()
+
+    def _flush(self) -> None:
         if self._pending is None:
             return
         slots, host, event = self._pending

@@ -35,6 +35,12 @@ class ScheduledBatch:
     # token in this decode (verify) step, every one of those positions giving logits; () = a
     # plain decode step (speculation off)
     drafts: tuple = ()
+    # the overlap schedule: per request, whether its last token is the sample of the forward still
+    # running when this batch was scheduled (the host does not have it yet); () = none is
+    pending: tuple = ()
+    # each request's last token, filled in by the forward stage for a batch with pending tokens
+    # (from the previous forward's samples); () = read from the requests
+    last_ids: tuple = ()
 
     @property
     def logit_lens(self) -> Optional[list[int]]:
@@ -315,7 +321,8 @@ class ForwardBatch:
                     input_ids += drafts
             else:
                 # decode: each request's last token (a prompt's own last one after a chunked prefill)
-                input_ids = [(req.output_ids or req.prompt_ids)[-1] for req in batch.reqs]
+                input_ids = list(batch.last_ids) if batch.last_ids else [
+                    (req.output_ids or req.prompt_ids)[-1] for req in batch.reqs]
             prefix_lens += list(batch.prefix_lens)
             extend_lens += list(batch.extend_lens)
             locs.append(batch.out_cache_loc)

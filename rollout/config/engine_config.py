@@ -102,6 +102,11 @@ class EngineConfig:
         help="compile the decode buckets' forward with torch.compile (inductor), one graph per bucket, at startup"))
     torch_compile_max_bs: int = field(default=32, metadata=flag(
         type=int, help="--enable-torch-compile: the largest decode bucket compiled; larger buckets run as without it"))
+    # the overlap schedule (SGLang's overlap scheduler): the next step is scheduled and the last
+    # one's outputs processed while the forward runs on a thread of its own (rollout/core/forward_worker.py)
+    enable_overlap_schedule: bool = field(default=False, metadata=flag(
+        help="schedule the next step and process the last one's outputs while the forward runs (a forward "
+             "thread); outputs are those of the sequential loop"))
     dp_size: int = field(default=1, metadata=flag(
         type=int, aliases=("--data-parallel-size",),
         help="data-parallel engine ranks, one process each (on CUDA one GPU each), the routed experts "
@@ -239,7 +244,8 @@ class EngineConfig:
         check_range("stream_interval", self.stream_interval, 1, integer=True)
         check_range("weight_update_bucket_bytes", self.weight_update_bucket_bytes, 1, MAX_BUCKET_BYTES, integer=True)
         for name in ("enable_prefix_caching", "enable_return_routed_experts", "enable_profile_graph_capture",
-                     "enable_deterministic_inference", "allow_auto_truncate", "enable_torch_compile"):
+                     "enable_deterministic_inference", "allow_auto_truncate", "enable_torch_compile",
+                     "enable_overlap_schedule"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a boolean, got {getattr(self, name)!r}")
         object.__setattr__(self, "decode_graph_batch_sizes",
@@ -264,6 +270,10 @@ class EngineConfig:
         algo = check_speculative(self)
         if algo is not None:
             object.__setattr__(self, "speculative_algorithm", algo)
+            if self.enable_overlap_schedule:
+                # NOTE: a verify step's drafts come from the tokens the previous step kept
+                raise ValueError(f"enable_overlap_schedule cannot be combined with speculative decoding "
+                                 f"(speculative_algorithm={algo!r}): turn one of them off")
 
     def _check_torch_compile(self) -> None:
         """enable_torch_compile compiles decode buckets: there must be one to compile."""

@@ -203,7 +203,11 @@ class ControlCalls:
         return self.runner.report()
 
     def close(self) -> None:
-        """Removes a released-weights file, if any, and ends a weight-update group."""
+        """Stops the overlap schedule's forward thread, removes a released-weights file, if any, and
+        ends a weight-update group."""
+        if self.worker is not None:
+            self.drain(quiet=True)
+            self.worker.close()
         if self._memory_saver is not None:
             self._memory_saver.discard()
         if self._weight_receiver is not None:

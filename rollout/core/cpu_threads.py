@@ -22,24 +22,18 @@ class CpuThreads:
     def __init__(self, threads: int, reserve: int):
         self.quiet = threads
         self.busy = max(1, threads - reserve)
-        self._current = 0
         self.steps_front_end_busy = 0   # steps that ran with self.busy because requests streamed
-        self._set(self.quiet)
+        torch.set_num_threads(self.quiet)
 
     @property
     def switches(self) -> bool:
         """Whether the threads differ by step (cpu_reserve > 0 and more than one thread)."""
         return self.busy != self.quiet
 
-    def use(self, front_end_busy: bool) -> None:
-        """Sets the threads of the next step's forward."""
+    def use(self, front_end_busy: bool) -> int:
+        """The threads of the next step's forward (EngineCore.use_threads sets them)."""
         self.steps_front_end_busy += front_end_busy
-        self._set(self.busy if front_end_busy else self.quiet)
-
-    def _set(self, n: int) -> None:
-        if n != self._current:
-            torch.set_num_threads(n)
-            self._current = n
+        return self.busy if front_end_busy else self.quiet
 
     def report(self) -> dict:
         return {"cpu_threads": self.quiet, "cpu_threads_front_end_busy": self.busy,

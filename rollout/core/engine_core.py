@@ -8,9 +8,10 @@ loop runs the control calls (rollout/core/control_calls.py).
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import deque
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -22,6 +23,7 @@ from rollout.config import EngineConfig
 from rollout.core.control_calls import ControlCalls
 from rollout.core.cpu_threads import CpuThreads
 from rollout.core.drafter import make_drafter
+from rollout.core.forward_worker import ForwardJob, ForwardWorker
 from rollout.core.kv_budget import KVBudget
 from rollout.core.output_processor import OutputProcessor
 from rollout.core.radix_cache import RadixCache
@@ -58,12 +60,27 @@ class EngineCore(ControlCalls):
         self.device = torch.device(cfg.device)
         if self.device.type == "cpu":
             tune_glibc_malloc()  # NOTE: CPU forwards in a fresh process ran ~2x slower without it
+        # the overlap schedule (rollout/core/forward_worker.py): the forward thread runs every
+        # forward and every heavy torch call (the model's load and capture, control calls); this
+        # thread schedules and processes outputs. NOTE: on CPU this thread then runs torch on one
+        # thread: libgomp gives each thread that starts parallel regions a pool of its own, and
+        # once more OpenMP threads exist than CPUs it stops spinning between regions; a forward
+        # thread beside a second pool ran ~2x slower on 2 CPUs.
+        self.worker: Optional[ForwardWorker] = None
+        self.forward_threads = 0   # CPU, the overlap schedule: the forward thread's torch threads
+        if cfg.enable_overlap_schedule:
+            if self.device.type == "cpu":
+                self.forward_threads = cpu_threads.quiet if cpu_threads is not None else torch.get_num_threads()
+                torch.set_num_threads(1)
+            self.worker = ForwardWorker(self._forward, self.device, threads=self.forward_threads)
+        self._inflight: Optional[ForwardJob] = None   # the step whose forward runs, not processed yet
+        self._last_sampled: dict[int, int] = {}        # the last forward's sampled token by request uid
         self.kv_budget = KVBudget.before_load(cfg, self.device)   # NOTE: measured before the weights load
-        self._load_model()
+        self.on_forward_thread(self._load_model)
         self.eos_ids = Tokenizer.eos_token_ids(cfg.model_path)
         self.context_length = cfg.context_length or self.info.max_position_embeddings
-        self._build_memory()
-        self._build_runner()
+        self.on_forward_thread(self._build_memory)
+        self.on_forward_thread(self._build_runner)
         self.stats = {"num_forwards": 0, "num_prefill_forwards": 0, "num_decode_forwards": 0,
                       "prompt_tokens": 0, "generated_tokens": 0, "finished_requests": 0,
                       "aborted_requests": 0, "nonfinite_logits_aborts": 0}
@@ -71,7 +88,7 @@ class EngineCore(ControlCalls):
         self.outputs = OutputProcessor(scheduler=self.scheduler, capturer=self.capturer, host_reads=self.host_reads,
                                        stats=self.stats, eos_ids=self.eos_ids, vocab_size=self.info.vocab_size,
                                        num_experts=self.info.num_experts, weight_version=cfg.weight_version)
-        self.scheduler.on_retract = self.outputs.save_routing   # NOTE: before the slots can be reused
+        self.scheduler.on_retract = self._save_routing   # NOTE: before the slots can be reused
         self._backlog: deque[tuple[Req, str]] = deque()   # aborted waiting requests (and messages) not answered yet
         self._budget_end: Optional[float] = None   # perf_counter deadline of this step's control work
         # the control calls' state (rollout/core/control_calls.py)
@@ -174,7 +191,7 @@ class EngineCore(ControlCalls):
         self.scheduler.add(req)
 
     def has_work(self) -> bool:
-        return bool(self._backlog) or self._has_schedulable_work()
+        return bool(self._backlog) or self._inflight is not None or self._has_schedulable_work()
 
     def _has_schedulable_work(self) -> bool:
         return self.scheduler.has_work() and self._scheduling_open()
@@ -200,6 +217,7 @@ class EngineCore(ControlCalls):
     def abort(self, uid: int, message: str = ABORT_MESSAGE) -> bool:
         """Aborts one request by uid (an index lookup). A waiting request leaves the queue at once;
         its answer may follow a step later when this step's control work used its time budget."""
+        self.drain()
         req = self.scheduler.find(uid)
         if req is None:
             return False
@@ -214,6 +232,7 @@ class EngineCore(ControlCalls):
     def abort_all(self, message: str = ABORT_MESSAGE) -> int:
         """Aborts every request in one pass: running ones answer now, waiting ones (no KV) leave
         the queue now and answer within this step's time budget or the next steps'."""
+        self.drain(quiet=True)
         running = list(self.scheduler.running)
         for req in running:
             self.outputs.finish(req, FinishReason("abort", message=message))
@@ -251,6 +270,7 @@ class EngineCore(ControlCalls):
 
     def check_integrity(self) -> bool:
         """Asserts that every used KV slot has exactly one owner (AssertionError otherwise)."""
+        self.drain()
         self.scheduler.check_integrity()
         return True
 
@@ -263,9 +283,73 @@ class EngineCore(ControlCalls):
             self._budget_end = None
         batch = self.scheduler.schedule() if self._has_schedulable_work() else None
         if batch is None and self.ep_group is None:
+            self.drain()
             return
         # NOTE: DP: every rank steps together and runs a forward (empty when it has nothing),
         # since the forward's collectives need every rank.
-        out = self.runner.forward(batch)
-        if batch is not None and out is not None:
-            self.outputs.process(batch, out)
+        job = ForwardJob(batch=batch, shapes=self.runner.rank_shapes(batch), plan=self.outputs.plan(batch),
+                         threads=self.forward_threads)
+        previous, self._inflight = self._inflight, job
+        if self.worker is not None:
+            self.worker.submit(job)
+            if previous is not None:
+                self._process(previous)   # NOTE: while this step's forward runs
+        else:
+            job.run(self._forward)
+            self.drain()
+
+    def on_forward_thread(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """fn(*args) where forwards run: on the forward thread with the overlap schedule (after the
+        running step's forward; call drain() first for the state between steps), else here."""
+        return fn(*args) if self.worker is None else self.worker.call(fn, *args)
+
+    def use_threads(self, n: int) -> None:
+        """CPU: the torch threads of the next forwards (rollout/core/cpu_threads.py)."""
+        if self.worker is not None:
+            self.forward_threads = n
+        elif torch.get_num_threads() != n:
+            torch.set_num_threads(n)
+
+    def _forward(self, job: ForwardJob) -> None:
+        """The forward stage of a step (on the forward thread with the overlap schedule): the
+        forward, its routing rows committed, its next tokens sampled and read to the host."""
+        batch = job.batch
+        if batch is not None and batch.pending:
+            last = self._last_sampled
+            batch = dataclasses.replace(batch, last_ids=tuple(
+                last[r.uid] if p else (r.output_ids or r.prompt_ids)[-1] for r, p in zip(batch.reqs, batch.pending)))
+        out = job.out = self.runner.forward(batch, job.shapes)
+        if batch is None or out is None:
+            return
+        if self.capturer is not None and not batch.drafts:
+            self.capturer.commit(out.layout, batch.out_cache_loc)
+        plan = job.plan
+        if plan is not None and plan.rows:
+            job.drawn = self.outputs.draw(plan, out.logits, self._last_sampled)
+            self._last_sampled = dict(zip((r.uid for r in plan.reqs), job.drawn[0]))
+        if self.capturer is not None:
+            self.capturer.flush()   # NOTE: after the read above, which waited for the copy
+
+    def _process(self, job: ForwardJob) -> None:
+        job.wait()
+        if job.batch is not None and job.out is not None:
+            self.outputs.process(job.batch, job.out, job.plan, job.drawn)
+
+    def drain(self, quiet: bool = False) -> None:
+        """Processes the step whose forward is running (the overlap schedule), so that the engine's
+        state is what a sequential loop leaves between steps: every control call and abort comes
+        after it. quiet: a failed forward's error is dropped (everything is being aborted)."""
+        job, self._inflight = self._inflight, None
+        if job is None:
+            return
+        try:
+            self._process(job)
+        except Exception:  # noqa: BLE001
+            if not quiet:
+                raise
+
+    def _save_routing(self, req: Req) -> None:
+        """A retraction's hook: the running forward's rows are committed before the request's are kept."""
+        if self._inflight is not None:
+            self._inflight.done.wait()
+        self.outputs.save_routing(req)

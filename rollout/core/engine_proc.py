@@ -155,8 +155,10 @@ class EngineLoop:
     def _call(self, msg: Call) -> Reply:
         if msg.method not in CALLS:
             return Reply(call_id=msg.call_id, error=f"unknown engine command {msg.method!r}", error_type="ValueError")
+        self.core.drain()   # NOTE: the overlap schedule: a call sees the state a sequential loop leaves
         try:
-            return Reply(call_id=msg.call_id, result=getattr(self.core, msg.method)(*msg.args))
+            return Reply(call_id=msg.call_id, result=self.core.on_forward_thread(getattr(self.core, msg.method),
+                                                                                 *msg.args))
         except Exception as exc:  # noqa: BLE001 (a command's error goes back to its caller)
             if not isinstance(exc, ValueError):
                 logger.exception("engine command %s failed", msg.method)
@@ -187,7 +189,7 @@ class EngineLoop:
                 return
             if work:
                 if self.threads is not None:
-                    self.threads.use(front_end_busy=self.streamed)
+                    core.use_threads(self.threads.use(front_end_busy=self.streamed))
                 core.step()
                 self.steps += 1
             self._send(replies, stepped=work)
@@ -236,8 +238,10 @@ def _join_dp_group(cfg: EngineConfig, rank: int, rendezvous: str) -> tuple[Engin
     store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=cfg.dist_timeout))
     dist.init_process_group("nccl" if cuda else "gloo", store=store, rank=rank, world_size=cfg.dp_size,
                             timeout=COLLECTIVE_TIMEOUT)
-    # NOTE: host values (the step's shapes, StepSync's flags) over gloo: no device sync on the step path
-    meta = dist.new_group(backend="gloo", timeout=COLLECTIVE_TIMEOUT) if cuda else None
+    # NOTE: host values (the step's shapes, StepSync's flags) over a gloo group of their own: no
+    # device sync on the step path, and with the overlap schedule they are exchanged on the
+    # scheduling thread while the forward thread runs collectives over the main group
+    meta = dist.new_group(backend="gloo", timeout=COLLECTIVE_TIMEOUT)
     return cfg, EPGroup(rank=rank, size=cfg.dp_size, device=device, meta_group=meta)
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 import torch
@@ -25,6 +26,18 @@ from rollout.ipc.messages import ReqUpdate, floats, ints
 
 logger = logging.getLogger(__name__)
 ABORT_BEFORE_PREFILL = "Abort before prefill"   # SGLang's message for a request that computed no KV
+
+
+@dataclass(frozen=True)
+class SamplePlan:
+    """What one forward samples, fixed when the step is launched (OutputProcessor.plan)."""
+    rows: tuple[int, ...]         # the batch's requests whose logits pick a next token
+    reqs: tuple[Req, ...]         # those requests
+    positions: tuple[int, ...]    # each sampled token's position (its noise's counter)
+    known: tuple[int, ...]        # output tokens the host had at launch
+    pending: tuple[bool, ...]     # whether the request's last token was the running forward's sample then
+    banned: Optional[list]        # per row, tokens min_new_tokens masks; None: none
+    ends: tuple[int, ...] = ()    # requests completed at max_new_tokens: they end ("length") unsampled
 
 
 class OutputProcessor:
@@ -49,67 +62,86 @@ class OutputProcessor:
         return out
 
     # ---- after a forward -----------------------------------------------------------------------
-    def process(self, batch: Any, out: Any) -> None:
-        """batch: the ScheduledBatch the forward ran; out: its ForwardOutput."""
+    def plan(self, batch: Any) -> Optional[SamplePlan]:
+        """What the forward of `batch` samples (None: nothing; a verify step samples in process),
+        fixed as it is launched: with the overlap schedule, the previous step's tokens are
+        appended (process) while this forward runs and samples."""
+        if batch is None or batch.drafts:
+            return None
+        reqs = batch.reqs
+        pending = batch.pending or (False,) * len(reqs)
+        if not batch.is_prefill and not batch.pending and all(r.output_ids for r in reqs):
+            # NOTE: the usual decode step: it completes every request, and one that has sampled
+            # before is below max_new_tokens (_check_finish finished it otherwise)
+            rows: Sequence[int] = range(len(reqs))
+            ends: tuple = ()
+        else:
+            # NOTE: a prefill step, a prompt's last token through a decode step (chunked prefill),
+            # or a step that feeds tokens still being sampled (the overlap schedule)
+            rows, end_rows = [], []
+            for i, (req, pre, ext, p) in enumerate(zip(reqs, batch.prefix_lens, batch.extend_lens, pending)):
+                if pre + ext == req.seq_len + p:
+                    (rows if req.params.max_new_tokens > len(req.output_ids) + p else end_rows).append(i)
+            ends = tuple(end_rows)
+            if not rows:
+                return SamplePlan(rows=(), reqs=(), positions=(), known=(), pending=(), banned=None, ends=ends)
+        sampled = tuple(reqs[i] for i in rows)
+        known = tuple(len(r.output_ids) for r in sampled)
+        pend = tuple(pending[i] for i in rows)
+        banned = None
+        if any(n + p < r.params.min_new_tokens for n, p, r in zip(known, pend, sampled)):
+            banned = [self._banned_ids(r, n + p) for r, n, p in zip(sampled, known, pend)]
+        return SamplePlan(rows=tuple(rows), reqs=sampled, known=known, pending=pend, banned=banned, ends=ends,
+                          positions=tuple(batch.prefix_lens[i] + batch.extend_lens[i] for i in rows))
+
+    def draw(self, plan: SamplePlan, logits: torch.Tensor, last: dict[int, int]) -> list:
+        """Samples the plan's rows of logits (the forward's) and reads the results to the host.
+        last: each request's token sampled by the previous forward (uid -> id), for the requests
+        whose last token the host did not have at launch (plan.pending)."""
+        if len(plan.rows) != logits.shape[0]:
+            logits = logits.index_select(0, to_device(torch.tensor(plan.rows, dtype=torch.int64), logits.device))
+        # NOTE: penalties count the output tokens: those the host had at launch, and the pending one
+        outs = [(r.output_ids[:n] + [last[r.uid]] if p else r.output_ids[:n]) if r.params.has_penalty else ()
+                for r, n, p in zip(plan.reqs, plan.known, plan.pending)]
+        return self._draw(plan.reqs, logits, plan.positions, outs, plan.banned)
+
+    def process(self, batch: Any, out: Any, plan: Optional[SamplePlan] = None, drawn: Optional[list] = None) -> None:
+        """batch: the ScheduledBatch the forward ran; out: its ForwardOutput; plan, drawn: what its
+        forward sampled (plan(batch), draw's results). A request that finished while the forward
+        ran (the overlap schedule: its previous token ended it) is left alone."""
         self.stats[f"forwards_{out.runner}"] = self.stats.get(f"forwards_{out.runner}", 0) + 1
         if batch.drafts:
             self.stats["num_forwards"] += 1
             self.stats["num_decode_forwards"] += 1
             self._verify(batch, out)
             return
-        if self.capturer is not None:
-            self.capturer.commit(out.layout, batch.out_cache_loc)
         if batch.is_prefill:
-            for req in batch.reqs:
-                self.scheduler.cache_unfinished(req)
+            for req, pre, ext in zip(batch.reqs, batch.prefix_lens, batch.extend_lens):
+                self.scheduler.cache_unfinished(req, pre + ext)
         if out.token_logits is not None:
             self._record_prompt_logprobs(batch, out.token_logits)
         self.stats["num_forwards"] += 1
         self.stats["num_prefill_forwards" if batch.is_prefill else "num_decode_forwards"] += 1
-        rows = self._rows_to_sample(batch)
-        if rows is not None:
-            self._sample(*rows, out.logits)
+        if plan is None:
+            return
+        for i in plan.ends:
+            req = batch.reqs[i]
+            if req.status is not ReqStatus.FINISHED:
+                self.finish(req, FinishReason("length"))
+        if not plan.rows:
+            return
+        reqs = list(plan.reqs)
+        live = [j for j, r in enumerate(reqs) if r.status is not ReqStatus.FINISHED]
+        if len(live) == len(reqs):
+            self._settle(*self._append(reqs, *drawn))
+        elif live:
+            self._settle(*self._append([reqs[j] for j in live], *drawn, spans=[(j, j + 1) for j in live]))
 
-    def _rows_to_sample(self, batch: Any) -> Optional[tuple[list[Req], Sequence[int]]]:
-        """The requests whose logits give a next token and their rows of the batch (None: none);
-        a completed request at max_new_tokens finishes here."""
-        if batch.is_prefill or not all(r.output_ids for r in batch.reqs):
-            to_sample = []
-            for i, req in enumerate(batch.reqs):
-                if batch.completes(i):
-                    if req.params.max_new_tokens > len(req.output_ids):
-                        to_sample.append(i)
-                    else:
-                        self.finish(req, FinishReason("length"))
-            if not to_sample:
-                return None
-            return [batch.reqs[i] for i in to_sample], to_sample
-        # NOTE: a decode step completes every request, and one that has sampled before is
-        # below max_new_tokens (_check_finish finished it otherwise). A prompt's last token can
-        # come through a decode step too (chunked prefill): the general path above sees it.
-        return batch.reqs, range(len(batch.reqs))
-
-    def _sample(self, reqs: list[Req], to_sample: Sequence[int], logits: torch.Tensor) -> None:
-        if len(to_sample) != logits.shape[0]:
-            logits = logits.index_select(0, to_device(torch.tensor(list(to_sample), dtype=torch.int64), logits.device))
-        self._settle(*self._append(reqs, *self._draw(reqs, logits)))
-
-    def _draw(self, reqs: Sequence[Req], logits: torch.Tensor, depth: Optional[Sequence[int]] = None,
-              fed: Optional[Sequence[Sequence[int]]] = None) -> list:
-        """Samples row i of logits for reqs[i] and reads the results to the host: [next ids, logprobs,
-        finite] (and top logprobs, top ids). A verify step samples several rows per request: row i
-        then lies depth[i] tokens past the request's last one, after the drafts fed[i] (its noise
-        position, penalties and min_new_tokens count them as if they were sampled)."""
-        positions = [r.seq_len for r in reqs]
-        outs: list = [r.output_ids for r in reqs]
-        lens = [len(o) for o in outs]
-        if depth is not None:
-            positions = [p + d for p, d in zip(positions, depth)]
-            lens = [n + d for n, d in zip(lens, depth)]
-            outs = [o + list(f) if f and r.params.has_penalty else o for o, f, r in zip(outs, fed, reqs)]
-        banned = None
-        if any(n < r.params.min_new_tokens for n, r in zip(lens, reqs)):
-            banned = [self._banned_ids(r, n) for r, n in zip(reqs, lens)]
+    def _draw(self, reqs: Sequence[Req], logits: torch.Tensor, positions: Sequence[int],
+              outs: Sequence[Sequence[int]], banned: Optional[list]) -> list:
+        """Samples row i of logits for reqs[i] at positions[i] (its noise's counter), after
+        outs[i] (penalties) with banned[i] masked (min_new_tokens), and reads the results to the
+        host: [next ids, logprobs, finite] (and top logprobs, top ids)."""
         # NOTE: every row is sampled, finite or not (rows are independent), so that the step reads
         # its results once: ids, logprobs, finiteness (and top logprobs) in one transfer.
         result = sample(logits, [r.params for r in reqs], [r.seed for r in reqs], positions, outs, banned,
@@ -150,7 +182,16 @@ class OutputProcessor:
             logits = out.logits
             if len(rows) != logits.shape[0]:
                 logits = logits.index_select(0, to_device(torch.tensor(rows, dtype=torch.int64), logits.device))
-            cols = self._draw(row_reqs, logits, depth, fed)
+            # NOTE: row i lies depth[i] tokens past its request's last one, after the drafts fed[i]:
+            # its noise position, penalties and min_new_tokens count them as if they were sampled
+            positions = [r.seq_len + d for r, d in zip(row_reqs, depth)]
+            lens = [len(r.output_ids) + d for r, d in zip(row_reqs, depth)]
+            outs = [r.output_ids + list(f) if f and r.params.has_penalty else r.output_ids
+                    for r, f in zip(row_reqs, fed)]
+            banned = None
+            if any(n < r.params.min_new_tokens for n, r in zip(lens, row_reqs)):
+                banned = [self._banned_ids(r, n) for r, n in zip(row_reqs, lens)]
+            cols = self._draw(row_reqs, logits, positions, outs, banned)
         spans = []
         for req, d, lo in live:
             ids = cols[0]

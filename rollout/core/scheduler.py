@@ -116,18 +116,22 @@ class Scheduler:
     def _release(self, req: Req) -> None:
         """Gives up a request's KV: computed KV to the prefix cache (freed when it is disabled)."""
         if req.kv_len:
-            self._give_to_cache(req)
+            n = min(req.kv_len, req.seq_len)
+            self._give_to_cache(req, n)
+            if n < req.kv_len:
+                # NOTE: the overlap schedule: the slot of a token still being sampled (never cached)
+                self.kv_pool.free(self.kv_slots(req)[n:])
         if req.last_node is not None:
             self.cache.dec_lock(req.last_node)
         self._drop_row(req)
         if self.drafter is not None:
             self.drafter.release(req)
 
-    def _give_to_cache(self, req: Req) -> list[int]:
-        """Inserts the request's KV (positions 0 .. kv_len-1) into the prefix cache and frees the
+    def _give_to_cache(self, req: Req, n: int) -> list[int]:
+        """Inserts the request's KV of positions 0 .. n-1 into the prefix cache and frees the
         slots the cache did not take; returns the key inserted."""
-        tokens = req.cache_key(req.kv_len)
-        slots = self.kv_slots(req)
+        tokens = req.cache_key(n)
+        slots = self.req_to_token.slots(req.req_to_token_row, n)
         kept = self.cache.insert(tokens, slots)
         # the cache keeps its own slots for the first `kept` tokens; ours beyond cache_len are duplicates
         if kept > req.cache_len:
@@ -142,11 +146,14 @@ class Scheduler:
         req.cache_len = 0
         req.last_node = None
 
-    def cache_unfinished(self, req: Req) -> None:
-        """Hands a running request's computed KV to the prefix cache (others can share it now)."""
-        if not self.cache.enabled or req.kv_len <= req.cache_len:
+    def cache_unfinished(self, req: Req, n: Optional[int] = None) -> None:
+        """Hands a running request's KV of positions 0 .. n-1 (default: kv_len), computed by the
+        forward just processed, to the prefix cache (others can share it now). Later positions may
+        be scheduled already (the overlap schedule)."""
+        n = req.kv_len if n is None else n
+        if not self.cache.enabled or n <= req.cache_len or req.req_to_token_row is None:
             return
-        tokens = self._give_to_cache(req)
+        tokens = self._give_to_cache(req, n)
         slots, node = self.cache.match_prefix(tokens)
         assert slots.numel() == len(tokens)
         self.cache.inc_lock(node)
@@ -278,6 +285,11 @@ class Scheduler:
                 if not retracted and len(self.running) > 1:
                     self.retract(max(self.running, key=lambda r: r.admit_seq))
                 return None   # the freed KV goes to the prefill of the next step
+            # NOTE: the overlap schedule: a request whose last token is still being sampled and
+            # certainly ends with it (max_new_tokens, the context) sits this step out
+            ready = [r for r in ready if not _ends_with_pending_token(r)]
+            if not ready:
+                return None
             drafts = self._drafts(ready)
             slots = self._alloc(len(ready) + sum(map(len, drafts.values())))
             if slots is None and drafts:
@@ -295,14 +307,19 @@ class Scheduler:
         reqs = sorted(ready, key=attrgetter("kv_len"))
         pre = [r.kv_len for r in reqs]
         rows = torch.tensor([r.req_to_token_row for r in reqs], dtype=torch.int64)
+        # NOTE: a request's KV reaching its last known token means that token's successor is the
+        # running forward's sample (the overlap schedule): this step feeds it, unseen
+        pending = tuple(p == r.seq_len for p, r in zip(pre, reqs))
+        pending = pending if any(pending) else ()
         if self.drafter is not None:
+            assert not pending, "speculative decoding runs without the overlap schedule"
             return self._verify_batch(reqs, pre, rows, slots, drafts)
         self.req_to_token.append_one(rows, torch.tensor(pre, dtype=torch.int64), slots)
         for req in reqs:
             req.kv_len += 1
         kv_indices = self.req_to_token.gather(rows, pre[-1] + 1)
         return ScheduledBatch(reqs, [1] * len(reqs), pre, slots, is_prefill=False, kv_indices=kv_indices,
-                              prefix_groups=self._prefix_groups(reqs))
+                              prefix_groups=self._prefix_groups(reqs), pending=pending)
 
     def _drafts(self, ready: list[Req]) -> dict[int, list[int]]:
         """The drafter's tokens per request uid (only requests it proposed for)."""
@@ -384,3 +401,10 @@ class Scheduler:
         kv = getattr(self.drafter, "kv", None)   # a drafter's own KV (rollout/core/draft_kv.py)
         if kv is not None:
             kv.check_integrity([r.draft_state for r in self.running if r.draft_state is not None])
+
+
+def _ends_with_pending_token(req: Req) -> bool:
+    """Whether a request whose next token is still being sampled (its KV reaches its last known
+    token) certainly ends with that token: it reaches max_new_tokens or its length limit."""
+    n = req.seq_len
+    return req.kv_len == n and (len(req.output_ids) + 1 >= req.params.max_new_tokens or n + 1 >= req.max_total_len)

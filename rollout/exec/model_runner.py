@@ -248,14 +248,21 @@ class ModelRunner:
                 out[name]["compile_seconds"] = {str(k): round(v, 3) for k, v in compile_seconds.items()}
         return out
 
-    @torch.inference_mode()
-    def forward(self, batch: Optional[ScheduledBatch]) -> Optional[ForwardOutput]:
-        """batch None: this rank has nothing (DP: it still takes part). None when no rank has tokens."""
+    def rank_shapes(self, batch: Optional[ScheduledBatch]) -> list[RankShape]:
+        """Every rank's shape of this step, in rank order (DP: an exchange over the host-value group)."""
         shape = RankShape.of(batch)
-        if self.ep_group is not None:
-            shapes = [RankShape.decode(v) for v in self.ep_group.exchange(shape.encode())]
-        else:
-            shapes = [shape]
+        if self.ep_group is None:
+            return [shape]
+        return [RankShape.decode(v) for v in self.ep_group.exchange(shape.encode())]
+
+    @torch.inference_mode()
+    def forward(self, batch: Optional[ScheduledBatch],
+                shapes: Optional[list[RankShape]] = None) -> Optional[ForwardOutput]:
+        """batch None: this rank has nothing (DP: it still takes part). None when no rank has tokens.
+        shapes: rank_shapes(batch), when the caller exchanged them already (the overlap schedule
+        exchanges them on the scheduling thread, so that only forwards use the forward's groups)."""
+        if shapes is None:
+            shapes = self.rank_shapes(batch)
         counts = tuple(s.num_tokens for s in shapes)
         if batch is not None and batch.is_prefill and any(r.needs_prompt_logprobs for r in batch.reqs):
             # NOTE: prompt logprobs need every token's logits: eager (one rank only; refused under DP)

@@ -128,6 +128,7 @@ class InprocClient:
 
         def run() -> None:
             try:
+                self.core.drain()   # NOTE: the overlap schedule's running step is processed first
                 fut.set_result(fn(self.core))
             except BaseException as exc:  # noqa: BLE001
                 fut.set_exception(exc)
