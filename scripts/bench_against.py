@@ -13,11 +13,15 @@ same background load; it prints the medians and the per-repeat ratios, and --jso
   rollout-serve of each tree; this checkout's load generator for both.
 - `--outputs`: no timing. scripts/seeded_outputs.py (this checkout's) runs with each tree's code
   and checkpoint and the two sets of tokens, logprobs (as exact floats) and routing rows (hashed)
-  must be identical; exits 1 and prints the first differences otherwise.
+  must be identical; exits 1 and prints the first differences otherwise. With --engine-kw this
+  checkout's Python workloads run with those engine settings: against --commit HEAD, the same code
+  with and without them (the overlap schedule, torch.compile).
 
   .venv/bin/python scripts/bench_against.py --commit 35146c0 --repeats 6
   .venv/bin/python scripts/bench_against.py --commit 35146c0 --bench server --repeats 4
   .venv/bin/python scripts/bench_against.py --commit 35146c0 --outputs
+  .venv/bin/python scripts/bench_against.py --commit HEAD --outputs --workloads python python_chunked \
+      --engine-kw '{"enable_overlap_schedule": true}'
 """
 from __future__ import annotations
 
@@ -63,10 +67,10 @@ def run_server_tree(tree: str, seed: int) -> float:
     return tokens / wall
 
 
-def seeded_outputs(tree: str, out: str) -> dict:
+def seeded_outputs(tree: str, out: str, workloads: list[str], engine_kw: str = "{}") -> dict:
     env = dict(os.environ, PYTHONPATH=tree, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="2")
-    subprocess.run([sys.executable, os.path.join(HERE, "scripts", "seeded_outputs.py"), "--out", out], cwd=tree,
-                   env=env, check=True)
+    subprocess.run([sys.executable, os.path.join(HERE, "scripts", "seeded_outputs.py"), "--out", out,
+                    "--workloads", *workloads, "--engine-kw", engine_kw], cwd=tree, env=env, check=True)
     with open(out) as f:
         return json.load(f)["outputs"]
 
@@ -85,10 +89,12 @@ def differences(a, b, path: str = "") -> list[str]:
     return [] if a == b else [f"{path}: {a!r:.80} vs {b!r:.80}"]
 
 
-def compare_outputs(head: str, sha: str, other: str) -> int:
+def compare_outputs(head: str, sha: str, other: str, workloads: list[str], engine_kw: str) -> int:
     with tempfile.TemporaryDirectory(prefix="bench_against_outputs_") as tmp:
-        mine = seeded_outputs(HERE, os.path.join(tmp, "head.json"))
-        theirs = seeded_outputs(other, os.path.join(tmp, "other.json"))
+        mine = seeded_outputs(HERE, os.path.join(tmp, "head.json"), workloads, engine_kw)
+        theirs = seeded_outputs(other, os.path.join(tmp, "other.json"), workloads)
+    if engine_kw != "{}":
+        head = f"{head} with {engine_kw}"
     diffs = differences(mine, theirs)
     counts = {name: len(outs) for name, outs in mine.items()}
     if diffs:
@@ -105,6 +111,11 @@ def main(argv=None) -> None:
     ap.add_argument("--repeats", type=int, default=6)
     ap.add_argument("--bench", choices=("throughput", "server"), default="throughput")
     ap.add_argument("--outputs", action="store_true", help="compare seeded outputs instead of timing")
+    ap.add_argument("--workloads", nargs="+", default=["python", "python_chunked", "server", "archs"],
+                    help="--outputs: scripts/seeded_outputs.py's workloads")
+    ap.add_argument("--engine-kw", default="{}", metavar="JSON",
+                    help="--outputs: engine settings of this checkout's Python workloads (e.g. --commit HEAD "
+                         "--engine-kw '{\"enable_overlap_schedule\": true}': this code with and without them)")
     ap.add_argument("--kind", default="engine", help="bench_throughput worker kind (default: engine, capture off)")
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--n", type=int, default=8)
@@ -119,7 +130,7 @@ def main(argv=None) -> None:
         subprocess.run(["git", "worktree", "add", "--detach", other, sha], cwd=HERE, check=True, capture_output=True)
         try:
             if args.outputs:
-                sys.exit(compare_outputs(head, sha, other))
+                sys.exit(compare_outputs(head, sha, other, args.workloads, args.engine_kw))
             runs: dict[str, list[float]] = {head: [], sha: []}
             for r in range(args.repeats):
                 for name, tree in ((head, HERE), (sha, other)):

@@ -87,8 +87,9 @@ def run_hf(model_path: str, prompts, max_news) -> tuple[float, int]:
 
 def in_fresh_process(kind: str, model_path: str, num_prompts: int, n: int,
                      tree: Optional[str] = None) -> tuple[float, int]:
-    """One measured run in a fresh Python process: kind "engine", "engine_capture", "engine_busy_caller"
-    (capture off, a busy torch loop in a thread of the caller meanwhile), "engine_spare[_busy_caller]"
+    """One measured run in a fresh Python process: kind "engine", "engine_capture", "engine_overlap"
+    (the overlap schedule), "engine_busy_caller" (capture off, a busy torch loop in a thread of the
+    caller meanwhile), "engine_spare[_busy_caller]"
     (cpu_threads = CPUs - 1), "engine_pinned[_busy_caller]" (split_cpus), "engine_inproc" or "hf".
     Every run starts from the same state (no malloc tuning, OpenMP pools, heap or page layout
     left by earlier runs), as a user's job would; the caller interleaves the kinds.
@@ -124,7 +125,7 @@ def worker(kind: str, model_path: str, num_prompts: int, n: int) -> tuple[float,
     client = "inproc" if kind == "engine_inproc" else "process"
     mine, engine_cpus = split_cpus() if kind.startswith("engine_pinned") else ([], [])
     with Rollout(model_path, enable_return_routed_experts=capture, cpu_threads=threads, client=client,
-                 cpu_affinity=engine_cpus) as engine:
+                 cpu_affinity=engine_cpus, enable_overlap_schedule=kind == "engine_overlap") as engine:
         if mine:   # the caller's threads (those torch made already too) off the engine's CPUs
             pin_process(mine)
         run_engine(engine, prompts[:2], [m[:2] for m in max_news[:2]], capture)   # warm-up
@@ -193,10 +194,12 @@ def bare_forward_time(core: EngineCore, bsz: int, ctx: int, repeats: int) -> flo
     return statistics.median(times)
 
 
-def engine_decode_overhead(model_path: str, bsz: int, prompt_len: int, new: int, capture: bool) -> dict:
-    """Engine decode step time at batch bsz vs the model forward inside that step."""
+def engine_decode_overhead(model_path: str, bsz: int, prompt_len: int, new: int, capture: bool,
+                           overlap: bool = False) -> dict:
+    """Engine decode step time at batch bsz vs the model forward inside that step (with the overlap
+    schedule: the steps' wall time vs the forwards on the forward thread)."""
     core = EngineCore(EngineConfig(model_path=model_path, enable_return_routed_experts=capture,
-                                   max_running_requests=bsz))
+                                   max_running_requests=bsz, enable_overlap_schedule=overlap))
     rng = random.Random(1)
     for i in range(bsz):
         core.add_request(Req(uid=i, rid=str(i), prompt_ids=[rng.randrange(3, 500) for _ in range(prompt_len)],
@@ -204,24 +207,66 @@ def engine_decode_overhead(model_path: str, bsz: int, prompt_len: int, new: int,
                              seed=i, return_routed_experts=capture, max_total_len=core.context_length))
     while core.scheduler.waiting:
         core.step()
-    marks: list[float] = []
-    # NOTE: the model forward is timed inside the very step it belongs to, so background load on
-    # a shared machine hits the step and its forward alike.
-    pre = core.model.register_forward_pre_hook(lambda *_: marks.append(time.perf_counter()))
-    post = core.model.register_forward_hook(lambda *_: marks.append(time.perf_counter()))
-    step_times, fwd_times = [], []
+    started: list[float] = []
+    fwd_times: list[float] = []
+    # NOTE: the model forwards are timed during the very steps they belong to, so background load on
+    # a shared machine hits the steps and their forwards alike.
+    pre = core.model.register_forward_pre_hook(lambda *_: started.append(time.perf_counter()))
+    post = core.model.register_forward_hook(lambda *_: fwd_times.append(time.perf_counter() - started.pop()))
+    step_times = []
     while core.has_work():
-        marks.clear()
         t0 = time.perf_counter()
         core.step()
         step_times.append(time.perf_counter() - t0)
-        fwd_times.append(marks[1] - marks[0] if len(marks) == 2 else 0.0)
     pre.remove()
     post.remove()
+    core.close()
     step = statistics.median(step_times)
     bare = statistics.median(fwd_times)
-    return {"batch": bsz, "capture": capture, "step_ms": step * 1e3, "model_forward_ms": bare * 1e3,
-            "overhead": 1 - bare / step}
+    return {"batch": bsz, "capture": capture, "overlap": overlap, "step_ms": step * 1e3,
+            "model_forward_ms": bare * 1e3, "overhead": 1 - bare / step}
+
+
+def overhead_in_fresh_process(model_path: str, capture: bool, overlap: bool) -> dict:
+    """engine_decode_overhead at batch 64 in a fresh Python process (an OpenMP pool left by an
+    earlier engine in this process would throttle the forward thread's)."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    code = ("import json, sys; sys.path.insert(0, sys.argv[1]); import bench_throughput as b; "
+            "print(json.dumps(b.engine_decode_overhead(sys.argv[2], 64, 144, 64, sys.argv[3] == '1', sys.argv[4] == '1')))")
+    out = subprocess.run([sys.executable, "-c", code, here, model_path, str(int(capture)), str(int(overlap))],
+                         check=True, capture_output=True, text=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def compare_overlap(args, total: int, res: dict) -> None:
+    """The sequential engine loop against the overlap schedule (enable_overlap_schedule): the
+    workload's tok/s and the batch-64 decode step against its model forward, in fresh processes,
+    alternating."""
+    runs: dict[str, list[float]] = {"engine": [], "engine_overlap": []}
+    steps: dict[bool, list[dict]] = {False: [], True: []}
+    for _ in range(args.repeats):
+        for kind, times in runs.items():
+            dt, tokens = in_fresh_process(kind, args.model_path, args.prompts, args.n)
+            assert tokens == total, (kind, tokens, total)
+            times.append(dt)
+        for overlap, mine in steps.items():
+            mine.append(overhead_in_fresh_process(args.model_path, True, overlap))
+    res.update({f"{k}_runs_s": v for k, v in runs.items()})
+    res.update({f"{k}_tok_s": total / statistics.median(v) for k, v in runs.items()})
+    res["decode_overhead_runs"] = steps[False] + steps[True]
+    res["decode_overhead"] = [{key: statistics.median(r[key] for r in mine) for key in
+                               ("step_ms", "model_forward_ms", "overhead")} | {"batch": 64, "capture": True,
+                                                                              "overlap": overlap}
+                              for overlap, mine in steps.items()]
+    per = ", ".join(f"{p / o:.2f}" for p, o in zip(runs["engine"], runs["engine_overlap"]))   # times: inverse
+    print("\n| engine loop | output tok/s (median) | ratio | batch-64 decode step ms | model forward ms | "
+          "engine overhead |\n|---|---|---|---|---|---|")
+    for (kind, label), r in zip((("engine", "sequential (the default)"),
+                                 ("engine_overlap", "overlap schedule")), res["decode_overhead"]):
+        ratio = "1.00" if kind == "engine" else f"{res[kind + '_tok_s'] / res['engine_tok_s']:.3f} (per repeat {per})"
+        print(f"| {label} | {res[kind + '_tok_s']:.0f} | {ratio} | {r['step_ms']:.2f} | {r['model_forward_ms']:.2f} | "
+              f"{100 * r['overhead']:.1f}% |")
+    write_json(args.json, res)
 
 
 def main(argv=None) -> None:
@@ -236,6 +281,9 @@ def main(argv=None) -> None:
     ap.add_argument("--inproc", action="store_true",
                     help="only: the engine process (default client) against the same engine loop on a thread of "
                          "the caller (client='inproc', the layout before the engine had a process), alternating")
+    ap.add_argument("--overlap", action="store_true",
+                    help="only: the sequential engine loop against the overlap schedule (enable_overlap_schedule), "
+                         "tok/s and the batch-64 decode step's overhead, alternating")
     ap.add_argument("--json", metavar="PATH")
     args = ap.parse_args(argv)
     torch.manual_seed(0)
@@ -251,6 +299,8 @@ def main(argv=None) -> None:
     # same process state, and the kinds side by side under the same background load.
     if args.inproc:
         return compare_inproc(args, total, res)
+    if args.overlap:
+        return compare_overlap(args, total, res)
     t_off, t_on, t_busy, t_hf, t_spare, t_spare_busy = [], [], [], [], [], []
     t_pinned, t_pinned_busy = [], []
     useful = total

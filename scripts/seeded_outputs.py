@@ -14,7 +14,7 @@ machine's speed), capture on, float32 and the tiny-moe checkpoint of the checkou
   default mode and with deterministic inference.
 Every float is written as its exact hex, every routing tensor as its shape and sha256.
 
-  python scripts/seeded_outputs.py --out outputs.json [--workloads python server]
+  python scripts/seeded_outputs.py --out outputs.json [--workloads python server] [--engine-kw JSON]
 """
 from __future__ import annotations
 
@@ -109,18 +109,18 @@ def server_outputs(model_path: str) -> list:
             return exact(r.json())
 
 
-def collect(model_path: str, workloads: list[str]) -> dict:
+def collect(model_path: str, workloads: list[str], engine_kw: dict) -> dict:
     out = {}
     for name in workloads:
         if name == "python":
-            out[name] = python_outputs(model_path)
+            out[name] = python_outputs(model_path, **engine_kw)
         elif name == "python_chunked":
             from transformers import AutoConfig
 
             ids, params = workload(AutoConfig.from_pretrained(model_path).vocab_size)
             longest = max(len(p) + sp["max_new_tokens"] for p, sp in zip(ids, params))
             out[name] = python_outputs(model_path, chunked_prefill_size=64, max_running_requests=6,
-                                       max_total_tokens=longest + 24)
+                                       max_total_tokens=longest + 24, **engine_kw)
         elif name == "archs":
             out[name] = arch_outputs()
         else:
@@ -133,13 +133,16 @@ def main(argv=None) -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=list(WORKLOADS))
     ap.add_argument("--model-path", default=None, help="default: configs/tiny-moe of the checkout imported")
+    ap.add_argument("--engine-kw", default="{}", metavar="JSON",
+                    help='engine settings of the two Python workloads, e.g. \'{"enable_overlap_schedule": true}\'')
     args = ap.parse_args(argv)
     import rollout
 
     root = Path(rollout.__file__).resolve().parent.parent
     model_path = args.model_path or str(root / "configs" / "tiny-moe")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    Path(args.out).write_text(json.dumps({"tree": str(root), "outputs": collect(model_path, args.workloads)}))
+    Path(args.out).write_text(json.dumps({"tree": str(root), "outputs": collect(model_path, args.workloads,
+                                                                                json.loads(args.engine_kw))}))
 
 
 if __name__ == "__main__":

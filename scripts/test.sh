@@ -4,6 +4,8 @@
 #   bash scripts/test.sh --slow     only the tests marked slow (multi-process, load, long runs)
 #   bash scripts/test.sh --all      everything (the GPU tests skip without a GPU)
 #   bash scripts/test.sh --gpu      only the GPU tests (CUDA graphs, NCCL; needs a CUDA torch)
+#   bash scripts/test.sh --overlap  the engine, capture, DP and deterministic test files (not slow)
+#                                   with the overlap schedule on (enable_overlap_schedule)
 # Extra arguments after these go to pytest.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -18,8 +20,11 @@ if ! command -v prometheus >/dev/null 2>&1 && [ "$(id -u)" = 0 ] && command -v a
     >/dev/null 2>&1 || echo "prometheus could not be installed: its test skips"
 fi
 MARK="not slow"
+TARGETS=(tests)
 case "${1:-}" in
   --slow) MARK="slow"; shift ;;
+  --overlap) shift; export ROLLOUT_TEST_ENGINE_KW='{"enable_overlap_schedule": true}'
+    TARGETS=(tests/test_engine.py tests/test_capture.py tests/test_dp.py tests/test_deterministic_engine.py) ;;
   --all) MARK=""; shift ;;
   --gpu) MARK="gpu"; shift ;;
 esac
@@ -28,7 +33,7 @@ export DS_ACCELERATOR=cpu DS_BUILD_OPS=0
 ARGS=(-q -p no:cacheprovider --timeout=900)
 if [ -n "$MARK" ]; then ARGS+=(-m "$MARK"); fi
 set +e
-.venv/bin/python -m pytest "${ARGS[@]}" "$@" tests
+.venv/bin/python -m pytest "${ARGS[@]}" "$@" "${TARGETS[@]}"
 rc=$?
 set -e
 # NOTE: grouped: `a && b || c && d` is `((a && b) || c) && d` in bash, which never reset --slow's 5

@@ -188,11 +188,20 @@ def random_prompts(seed: int, lengths, vocab: int = 256) -> list[list[int]]:
     return [[rng.randrange(3, vocab) for _ in range(n)] for n in lengths]
 
 
+# NOTE: engine settings (JSON) every make_engine adds under a test's own: `bash scripts/test.sh
+# --overlap` runs the engine, capture, DP and deterministic test files with the overlap schedule on
+SUITE_ENGINE_KW = "ROLLOUT_TEST_ENGINE_KW"
+
+
 def make_engine(path, *, capture: bool = True, **kw):
     """A Rollout on a tiny checkpoint in fp32 with the embedded tokenizer (tiny checkpoints have none)."""
+    import json
+    import os
+
     from rollout import Rollout
     from rollout.config import DEFAULT_MODEL_PATH
 
+    kw = {**json.loads(os.environ.get(SUITE_ENGINE_KW, "{}")), **kw}
     kw.setdefault("dtype", "float32")
     kw.setdefault("tokenizer_path", DEFAULT_MODEL_PATH)
     if capture:

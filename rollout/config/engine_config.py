@@ -105,6 +105,7 @@ class EngineConfig:
     # the overlap schedule (SGLang's overlap scheduler): the next step is scheduled and the last
     # one's outputs processed while the forward runs on a thread of its own (rollout/core/forward_worker.py)
     enable_overlap_schedule: bool = field(default=False, metadata=flag(
+        off_aliases=("--disable-overlap-schedule",),
         help="schedule the next step and process the last one's outputs while the forward runs (a forward "
              "thread); outputs are those of the sequential loop"))
     dp_size: int = field(default=1, metadata=flag(

@@ -27,6 +27,7 @@ class Flag:
     name: Optional[str] = None                      # the option; default --<field-name>
     aliases: tuple[str, ...] = ()                   # further spellings (SGLang's, where they differ)
     negate: bool = False                            # bool fields: the switch sets the field to False
+    off_aliases: tuple[str, ...] = ()               # bool fields: hidden switches that keep the default (SGLang's opposite switch)
     none_at_most: Optional[int] = None              # int values <= this mean None ...
     none_spelling: Optional[str] = None             # ... and None is written as this value
     hidden: bool = False                            # accepted, left out of --help
@@ -72,6 +73,9 @@ class Flag:
             if f.default != self.negate:   # a switch moves the setting away from its default
                 raise TypeError(f"{f.name}: a default of {f.default} needs negate={not self.negate}")
             group.add_argument(*options, action="store_true", **kw)
+            if self.off_aliases:
+                group.add_argument(*self.off_aliases, action="store_const", const=False, default=False,
+                                   dest=kw["dest"], help=argparse.SUPPRESS)
             return
         kw["default"] = list(f.default) if isinstance(f.default, tuple) else f.default
         if isinstance(f.default, tuple):
