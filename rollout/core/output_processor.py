@@ -116,8 +116,7 @@ class OutputProcessor:
             self._verify(batch, out)
             return
         if batch.is_prefill:
-            for req, pre, ext in zip(batch.reqs, batch.prefix_lens, batch.extend_lens):
-                self.scheduler.cache_unfinished(req, pre + ext)
+            self.scheduler.cache_prefill(batch)
         if out.token_logits is not None:
             self._record_prompt_logprobs(batch, out.token_logits)
         self.stats["num_forwards"] += 1

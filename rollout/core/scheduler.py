@@ -56,6 +56,9 @@ class Scheduler:
         self.num_decode_steps = 0          # paces speculative drafts (rollout/core/drafter.py)
         # True unless no running request can be mid-prefill (set on every prefill scheduling)
         self._maybe_chunked = False
+        # the last prefill step scheduled, until its new KV reaches the prefix cache (cache_prefill):
+        # with the overlap schedule the next step is scheduled before that
+        self._uncached: Optional[ScheduledBatch] = None
 
     # ---- queue management ------------------------------------------------------------------
     def add(self, req: Req) -> None:
@@ -146,6 +149,13 @@ class Scheduler:
         req.cache_len = 0
         req.last_node = None
 
+    def cache_prefill(self, batch: ScheduledBatch) -> None:
+        """After a prefill step's forward: each request's KV computed so far to the prefix cache."""
+        for req, pre, ext in zip(batch.reqs, batch.prefix_lens, batch.extend_lens):
+            self.cache_unfinished(req, pre + ext)
+        if self._uncached is batch:
+            self._uncached = None
+
     def cache_unfinished(self, req: Req, n: Optional[int] = None) -> None:
         """Hands a running request's KV of positions 0 .. n-1 (default: kv_len), computed by the
         forward just processed, to the prefix cache (others can share it now). Later positions may
@@ -209,6 +219,12 @@ class Scheduler:
         candidates = chain(chunked, self.waiting)
         running_count = len(self.running)
         shared = SharedPrefixes(MIN_SHARED_PREFIX) if self.cache.enabled else None
+        if shared is not None and self._uncached is not None:
+            # NOTE: the overlap schedule: the prefill in flight is not in the cache yet; a request
+            # sharing its prefix waits a step for it as for one scheduled in this step
+            for req in self._uncached.reqs:
+                if req.status is ReqStatus.RUNNING:
+                    shared.add(req)
         for req in candidates:
             if budget <= 0:
                 break
@@ -263,8 +279,10 @@ class Scheduler:
         # token then do not pad to a whole prompt's queries.
         order = sorted(range(len(reqs)), key=lambda i: (ext[i], pre[i] + ext[i]))
         reqs, ext, pre = [reqs[i] for i in order], [ext[i] for i in order], [pre[i] for i in order]
-        return ScheduledBatch(reqs, ext, pre, torch.cat([locs[i] for i in order]), is_prefill=True,
-                              kv_indices=self._kv_indices(reqs, max(p + e for p, e in zip(pre, ext))))
+        batch = ScheduledBatch(reqs, ext, pre, torch.cat([locs[i] for i in order]), is_prefill=True,
+                               kv_indices=self._kv_indices(reqs, max(p + e for p, e in zip(pre, ext))))
+        self._uncached = batch
+        return batch
 
     def _kv_indices(self, reqs: list[Req], width: int) -> torch.Tensor:
         rows = torch.tensor([r.req_to_token_row for r in reqs], dtype=torch.int64)
