@@ -75,12 +75,17 @@ class EngineCore(ControlCalls):
             self.worker = ForwardWorker(self._forward, self.device, threads=self.forward_threads)
         self._inflight: Optional[ForwardJob] = None   # the step whose forward runs, not processed yet
         self._last_sampled: dict[int, int] = {}        # the last forward's sampled token by request uid
-        self.kv_budget = KVBudget.before_load(cfg, self.device)   # NOTE: measured before the weights load
-        self.on_forward_thread(self._load_model)
-        self.eos_ids = Tokenizer.eos_token_ids(cfg.model_path)
-        self.context_length = cfg.context_length or self.info.max_position_embeddings
-        self.on_forward_thread(self._build_memory)
-        self.on_forward_thread(self._build_runner)
+        try:
+            self.kv_budget = KVBudget.before_load(cfg, self.device)   # NOTE: measured before the weights load
+            self.on_forward_thread(self._load_model)
+            self.eos_ids = Tokenizer.eos_token_ids(cfg.model_path)
+            self.context_length = cfg.context_length or self.info.max_position_embeddings
+            self.on_forward_thread(self._build_memory)
+            self.on_forward_thread(self._build_runner)
+        except BaseException:
+            if self.worker is not None:
+                self.worker.close()   # NOTE: no thread outlives an engine that failed to start
+            raise
         self.stats = {"num_forwards": 0, "num_prefill_forwards": 0, "num_decode_forwards": 0,
                       "prompt_tokens": 0, "generated_tokens": 0, "finished_requests": 0,
                       "aborted_requests": 0, "nonfinite_logits_aborts": 0}
