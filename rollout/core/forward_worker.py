@@ -11,9 +11,10 @@ token ids). A request that N's token ends is still fed once more, and that row's
 dropped; one that N's token certainly ends (max_new_tokens, its length limit) is not scheduled.
 
 On CPU the two threads share the host: torch's operators release the GIL, so the engine
-thread's Python runs while the forward computes (EngineConfig.cpu_threads can leave it a core).
-Jobs run one at a time, in the order submitted: every forward's KV writes and collectives keep the
-step order.
+thread's Python runs while the forward computes; this thread also runs every heavy torch call
+(the model's load and capture, control calls) with the engine's torch threads, while the engine
+thread keeps torch to one (EngineCore). Jobs run one at a time, in the order submitted: every
+forward's KV writes and collectives keep the step order.
 """
 from __future__ import annotations
 
