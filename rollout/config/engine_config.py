@@ -107,7 +107,7 @@ class EngineConfig:
     enable_overlap_schedule: bool = field(default=False, metadata=flag(
         off_aliases=("--disable-overlap-schedule",),
         help="schedule the next step and process the last one's outputs while the forward runs (a forward "
-             "thread); outputs are those of the sequential loop"))
+             "thread); tokens and routing are the sequential loop's (bitwise with deterministic inference)"))
     dp_size: int = field(default=1, metadata=flag(
         type=int, aliases=("--data-parallel-size",),
         help="data-parallel engine ranks, one process each (on CUDA one GPU each), the routed experts "

@@ -9,6 +9,7 @@ loop runs the control calls (rollout/core/control_calls.py).
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from collections import deque
 from typing import Any, Callable, Optional
@@ -41,6 +42,7 @@ from rollout.models.moe.experts import FusedExperts
 from rollout.models.registry import load_model, model_info
 from rollout.tokenizer import Tokenizer
 
+logger = logging.getLogger(__name__)
 ABORT_MESSAGE = "aborted by request"
 CONTROL_BUDGET_S = 0.01  # answers to aborted waiting requests per step; the rest follow next steps
 
@@ -331,7 +333,8 @@ class EngineCore(ControlCalls):
         plan = job.plan
         if plan is not None and plan.rows:
             job.drawn = self.outputs.draw(plan, out.logits, self._last_sampled)
-            self._last_sampled = dict(zip((r.uid for r in plan.reqs), job.drawn[0]))
+            if self.worker is not None:   # NOTE: only a step scheduled before these are processed reads them
+                self._last_sampled = dict(zip((r.uid for r in plan.reqs), job.drawn[0]))
         if self.capturer is not None:
             self.capturer.flush()   # NOTE: after the read above, which waited for the copy
 
@@ -352,6 +355,7 @@ class EngineCore(ControlCalls):
         except Exception:  # noqa: BLE001
             if not quiet:
                 raise
+            logger.exception("the forward in flight failed; its step is dropped (every request is being aborted)")
 
     def _save_routing(self, req: Req) -> None:
         """A retraction's hook: the running forward's rows are committed before the request's are kept."""
