@@ -5,9 +5,11 @@ through retraction, prefix hits, chunked prefill, aborts, pauses and weight swap
 left behind."""
 from __future__ import annotations
 
+import base64
 import threading
 import time
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -145,3 +147,42 @@ def test_abort_pause_and_weight_swap_between_overlapped_steps(tiny_checkpoint):
 def test_bad_settings_are_refused_by_name(kw, message):
     with pytest.raises(ValueError, match=message):
         EngineConfig(model_path="m", **{"enable_overlap_schedule": True, **kw})
+
+
+def test_slime_shaped_requests_to_a_real_server():
+    """A GRPO group sent as slime sends it (one concurrent /generate per sample, logprobs and routing
+    asked) to a real rollout-serve with the overlap schedule: every answer is bitwise the sequential
+    server's, and a greedy sample's routing is transformers' router top-k."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
+
+    from oracle import hf_router_topk, same_sets
+    from rollout.config import DEFAULT_MODEL_PATH
+    from server_proc import ServerProcess
+    from test_sglang_conformance import slime_sampling_params
+
+    ids = _prompts(9, [21])[0]
+    payloads = [{"input_ids": ids, "return_logprob": True, "return_routed_experts": True,
+                 "sampling_params": dict(slime_sampling_params(), temperature=0.0 if s == 0 else 1.0,
+                                         sampling_seed=s, max_new_tokens=12)} for s in range(6)]
+    answers = {}
+    for name, flags in (("sequential", []), ("overlap", ["--enable-overlap-schedule"])):
+        with ServerProcess(["--enable-return-routed-experts", "--dtype", "float32",
+                            "--enable-deterministic-inference", *flags]) as srv, \
+                httpx.Client(base_url=srv.url, timeout=120) as c, ThreadPoolExecutor(len(payloads)) as pool:
+            replies = list(pool.map(lambda p: c.post("/generate", json=p), payloads))
+            assert all(r.status_code == 200 for r in replies), [r.text for r in replies]
+            answers[name] = [r.json() for r in replies]
+    strip = ("e2e_latency", "id")
+    for a, b in zip(answers["sequential"], answers["overlap"]):
+        assert a["output_ids"] == b["output_ids"]
+        assert {k: v for k, v in a["meta_info"].items() if k not in strip} == \
+            {k: v for k, v in b["meta_info"].items() if k not in strip}
+    assert all("output_token_logprobs" in a["meta_info"] and a["meta_info"]["routed_experts"]
+               for a in answers["overlap"])
+    greedy = answers["overlap"][0]
+    tokens = ids + greedy["output_ids"]
+    rows = np.frombuffer(base64.b64decode(greedy["meta_info"]["routed_experts"]), dtype=np.int32)
+    rows = torch.from_numpy(rows.reshape(len(tokens) - 1, 4, 4).copy())
+    assert same_sets(rows, hf_router_topk(DEFAULT_MODEL_PATH, tokens[:-1], 4, 4))
