@@ -221,7 +221,9 @@ def test_moe_expert_paths_agree(dtype, atol):
 def test_small_batches_read_only_the_experts_routed_to(monkeypatch, fp8):
     """At batch 1 the padded path gathers (and, FP8, dequantizes) the top-k experts' weights only,
     not all 32 held: its cost follows the experts routed to. The output is the bits of the path
-    over every expert, and of the per-expert loop."""
+    over every expert, and of the per-expert loop. (Experts small enough that a gather costs less
+    than one call per expert; larger ones: the next test.)"""
+    monkeypatch.setattr(FusedExperts, "EXPERT_CALL_BYTES", 1 << 60)
     from rollout.models.quant.fp8 import ONLINE, quantize_into
 
     torch.manual_seed(0)
@@ -262,6 +264,44 @@ def test_small_batches_read_only_the_experts_routed_to(monkeypatch, fp8):
             want = active if fp8 or 2 * active <= 32 else 32
             assert read == [want, want], (n_exp, active, read)
             assert torch.allclose(got, module(xs, ws, many, impl="loop"), atol=1e-5)
+
+
+
+@pytest.mark.parametrize("batch", [1, 3, 20])
+def test_large_experts_run_one_by_one_over_views(monkeypatch, batch):
+    """Where a gather would copy more bytes than a call per expert costs, the padded path runs each
+    routed expert on its own over a view of its weights: it reads exactly the experts routed to
+    (one at a time, or all held at once where every one is routed to), nothing gathered, and equals the per-expert loop (also on a shard and a range)."""
+    monkeypatch.setattr(FusedExperts, "EXPERT_CALL_BYTES", 1)
+    torch.manual_seed(0)
+    full = FusedExperts(hidden_size=32, intermediate_size=16, num_experts=12)
+    with torch.no_grad():
+        full.w13.normal_(std=0.1)
+        full.w2.normal_(std=0.1)
+    shard = FusedExperts(hidden_size=32, intermediate_size=16, num_experts=12)
+    shard.shard(4, 9)
+    with torch.no_grad():
+        shard.w13.copy_(full.w13[4:9])
+        shard.w2.copy_(full.w2[4:9])
+    x, w = torch.randn(batch, 32), torch.rand(batch, 4)
+    ids = torch.stack([torch.randperm(12 if batch < 20 else 8)[:4] for _ in range(batch)])
+    for module, ranges in ((full, (None, (0, 6), (6, 12), (3, 3))), (shard, (None, (5, 7)))):
+        read = []
+        dense = module.dense
+
+        def counting(name, first, num, dtype, ids=None, dense=dense):
+            assert ids is None, "a gather"
+            read.append((name, first + module.expert_lo, num))
+            return dense(name, first, num, dtype, ids)
+        monkeypatch.setattr(module, "dense", counting)
+        for rng in ranges:
+            lo, hi = rng or (module.expert_lo, module.expert_hi)
+            read.clear()
+            with torch.no_grad():
+                got = module(x, w, ids, experts=rng, impl="padded")
+                want = sorted({e for e in ids.flatten().tolist() if lo <= e < hi})
+                assert sorted(e for name, first, num in read if name == "w13" for e in range(first, first + num)) == want
+                assert torch.allclose(got, module(x, w, ids, experts=rng, impl="loop"), atol=1e-6), rng
 
 
 def test_routed_dp_rank_validated(tiny_checkpoint):
