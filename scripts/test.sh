@@ -5,7 +5,9 @@
 #   bash scripts/test.sh --all      everything (the GPU tests skip without a GPU)
 #   bash scripts/test.sh --gpu      only the GPU tests (CUDA graphs, NCCL; needs a CUDA torch)
 #   bash scripts/test.sh --overlap  the engine, capture, DP and deterministic test files (not slow)
-#                                   with the overlap schedule on (enable_overlap_schedule)
+#                                   with the overlap schedule and torch.compile on (decode buckets
+#                                   1, 2, 4 compiled where the test's engine can compile; inductor's
+#                                   on-disk cache carries the graphs from test to test)
 # Extra arguments after these go to pytest.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -23,7 +25,8 @@ MARK="not slow"
 TARGETS=(tests)
 case "${1:-}" in
   --slow) MARK="slow"; shift ;;
-  --overlap) shift; export ROLLOUT_TEST_ENGINE_KW='{"enable_overlap_schedule": true}'
+  --overlap) shift
+    export ROLLOUT_TEST_ENGINE_KW='{"enable_overlap_schedule": true, "enable_torch_compile": true, "torch_compile_max_bs": 4}'
     TARGETS=(tests/test_engine.py tests/test_capture.py tests/test_dp.py tests/test_deterministic_engine.py) ;;
   --all) MARK=""; shift ;;
   --gpu) MARK="gpu"; shift ;;

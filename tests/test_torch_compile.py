@@ -27,7 +27,8 @@ def _decode_batch(model, lengths, capture=None):
     """A KV pool holding `lengths` prompts (prefilled eagerly) and the decode step after them."""
     info = model.info
     pool = KVPool(num_slots=sum(lengths) + len(lengths) + 8, num_layers=info.num_hidden_layers,
-                  num_kv_heads=info.num_kv_heads, head_dim=info.head_dim, dtype=torch.float32)
+                  num_kv_heads=info.num_kv_heads, head_dim=info.head_dim, dtype=torch.float32,
+                  latent_dim=info.kv_latent_dim)
     prompts = random_prompts(7, lengths)
     slots = [pool.alloc(n + 1) for n in lengths]
     with torch.inference_mode():
@@ -41,8 +42,9 @@ def _decode_batch(model, lengths, capture=None):
 
 
 # qwen2_moe: a dense layer and a gated shared expert; gpt_oss: sinks, sliding windows (masks made
-# inside the attention op), biased router; minimax_m2: sigmoid routing with a correction bias
-@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe", "gpt_oss", "minimax_m2"])
+# inside the attention op), biased router; minimax_m2: sigmoid routing with a correction bias;
+# deepseek_v3: MLA (latent rows written by the attention op), grouped routing, a dense first layer
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe", "gpt_oss", "minimax_m2", "deepseek_v3"])
 def test_opaque_forward_is_one_graph_and_the_eager_forward(tiny_checkpoint, arch):
     """The forward a compiled bucket traces has no graph break; run eagerly through its opaque
     ops it is bitwise the plain forward (logits and routing rows)."""
@@ -64,7 +66,7 @@ def test_opaque_forward_is_one_graph_and_the_eager_forward(tiny_checkpoint, arch
     assert sum("rollout.sparse_moe" in o for o in ops) == len(info.moe_layer_ids)
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", pytest.param("gpt_oss", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3", pytest.param("gpt_oss", marks=pytest.mark.slow)])
 def test_compiled_buckets_match_eager(tiny_checkpoint, arch):
     """Compiled buckets 1 and 2 (of 1, 2, 4, 8) against the same engine without compile: greedy and
     seeded sampled requests, logprobs and routed experts; one graph per compiled bucket, no
@@ -100,7 +102,6 @@ def test_compiled_buckets_match_eager(tiny_checkpoint, arch):
     (dict(torch_compile_max_bs=0), ["torch_compile_max_bs"]),
     (dict(torch_compile_max_bs=2.5), ["torch_compile_max_bs"]),
     (dict(enable_torch_compile="yes"), ["enable_torch_compile"]),
-    (dict(enable_torch_compile=True), ["enable_torch_compile", "decode_graph_batch_sizes"]),
     (dict(enable_torch_compile=True, decode_graph_batch_sizes=(16,), torch_compile_max_bs=8),
      ["enable_torch_compile", "torch_compile_max_bs=8", "decode_graph_batch_sizes"]),
     (dict(enable_torch_compile=True, decode_graph_batch_sizes=(1,), enable_deterministic_inference=True),
@@ -122,12 +123,10 @@ def test_flags_and_api():
     assert "--enable-torch-compile" in flags and flags[flags.index("--torch-compile-max-bs") + 1] == "4"
     with pytest.raises(SystemExit):
         ServerArgs.from_cli(["--enable-torch-compile", "--torch-compile-max-bs", "0", "--decode-graph-batch-sizes", "1"])
-
-
-def test_mla_refused(tiny_checkpoint):
-    model, _ = load_model(tiny_checkpoint("deepseek_v3"), torch.float32)
-    with pytest.raises(ValueError, match="enable_torch_compile.*MLA"):
-        CompiledBackend(model, (1,))
+    # SGLang's flags alone: the decode buckets are the powers of two up to the max
+    assert ServerArgs.from_cli(["--enable-torch-compile"]).engine.decode_graph_batch_sizes == (1, 2, 4, 8, 16, 32)
+    assert EngineConfig(enable_torch_compile=True, torch_compile_max_bs=6).decode_graph_batch_sizes == (1, 2, 4)
+    assert EngineConfig(torch_compile_max_bs=6).decode_graph_batch_sizes == ()
 
 
 @pytest.mark.slow

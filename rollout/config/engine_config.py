@@ -99,7 +99,8 @@ class EngineConfig:
     # compiled forward, one specialization per bucket, compiled at startup; attention and the MoE
     # layers run inside it as opaque ops (rollout/models/opaque_step.py, rollout/exec/runners/compiled_backend.py)
     enable_torch_compile: bool = field(default=False, metadata=flag(
-        help="compile the decode buckets' forward with torch.compile (inductor), one graph per bucket, at startup"))
+        help="compile the decode buckets' forward with torch.compile (inductor), one graph per bucket, at startup "
+             "(without --decode-graph-batch-sizes: the powers of two up to --torch-compile-max-bs)"))
     torch_compile_max_bs: int = field(default=32, metadata=flag(
         type=int, help="--enable-torch-compile: the largest decode bucket compiled; larger buckets run as without it"))
     # the overlap schedule (SGLang's overlap scheduler): the next step is scheduled and the last
@@ -254,6 +255,11 @@ class EngineConfig:
         object.__setattr__(self, "prefill_graph_token_sizes",
                            _int_tuple("prefill_graph_token_sizes", self.prefill_graph_token_sizes))
         check_range("torch_compile_max_bs", self.torch_compile_max_bs, 1, MAX_COMPILE_BS, integer=True)
+        if self.enable_torch_compile is True and not self.decode_graph_batch_sizes:
+            # NOTE: SGLang's --enable-torch-compile alone compiles its decode batch sizes up to the max:
+            # without buckets of its own, the powers of two up to torch_compile_max_bs
+            object.__setattr__(self, "decode_graph_batch_sizes", tuple(
+                1 << i for i in range(self.torch_compile_max_bs.bit_length())))
         if self.enable_torch_compile:
             self._check_torch_compile()
         check_choice("moe_backend", self.moe_backend, MOE_BACKENDS, or_none=True, why="by device")

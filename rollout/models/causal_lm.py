@@ -24,6 +24,7 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.layer_id = layer_id
         self.self_attn = MLASelfAttention(spec, layer_id) if spec.mla is not None else SelfAttention(spec, layer_id)
+        self.attn_width = spec.attention_widths[1]     # the attention core's output per token
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.is_moe = layer_id in spec.moe_layer_ids
@@ -38,7 +39,7 @@ class DecoderLayer(nn.Module):
         if fb.opaque is not None:
             # a compiled forward: the KV write and the attention core are one opaque op
             q, k, v = self.self_attn.qkv(self.input_layernorm(x), cos, sin)
-            return self.finish(x, opaque_step.attention(fb.opaque, self.layer_id, q, k, v), fb)
+            return self.finish(x, opaque_step.attention(fb.opaque, self.layer_id, self.attn_width, q, k, v), fb)
         q = self.attention_input(x, cos, sin, fb)
         return self.finish(x, self.self_attn.attn.attend(q, fb, attn_mask), fb)
 

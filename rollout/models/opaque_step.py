@@ -62,16 +62,19 @@ register_opaque_type(OpaqueStep, typ="reference")
 
 
 @torch.library.custom_op("rollout::attention", mutates_args=())
-def attention(step: OpaqueStep, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """q [N, H, D], k / v [N, kvH, D] of layer layer_id -> [N, H*D]: writes k / v into the KV pool at
-    the step's slots, then attends over the step's grid (PagedAttention.forward, the eager path)."""
+def attention(step: OpaqueStep, layer_id: int, width: int, q: torch.Tensor, k: torch.Tensor,
+              v: torch.Tensor | None) -> torch.Tensor:
+    """Layer layer_id's attention core -> [N, width]: writes this step's k / v into the KV pool at its
+    slots, then attends over the step's grid (the eager core's forward). GQA / MHA: q [N, H, D],
+    k / v [N, kvH, D], width H * D; MLA: q [N, H, R + P] (latent queries), k the latent rows
+    [N, R + P] (normed latent, rotated rope key), v None, width H * R."""
     core = step.layer(layer_id).self_attn.attn
     return core(q, k, v, step.fb, step.mask(layer_id))
 
 
 @attention.register_fake
-def _attention_fake(step, layer_id, q, k, v):
-    return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
+def _attention_fake(step, layer_id, width, q, k, v):
+    return q.new_empty(q.shape[0], width)
 
 
 @torch.library.custom_op("rollout::sparse_moe", mutates_args=())

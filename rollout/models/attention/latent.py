@@ -33,6 +33,13 @@ class LatentAttention(nn.Module):
     def reads_mask(self, fb: ForwardBatch) -> bool:
         return True   # NOTE: MLA always attends with torch (no kernel backend is bound for it)
 
+    def forward(self, q: torch.Tensor, latent: torch.Tensor, v: None, fb: ForwardBatch,
+                attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """PagedAttention.forward's contract (the compiled forward's attention op): the latent rows
+        [N, R + P] written, then q [N, H, R + P] attends -> [N, H * R]; v: None (values are latents)."""
+        self.write_latent(latent, fb)
+        return self.attend(q, fb, attn_mask)
+
     def write_latent(self, latent: torch.Tensor, fb: ForwardBatch) -> None:
         """latent [N, R + P] (normed latent, rotated rope key) at fb.out_cache_loc (token-wise)."""
         fb.kv_pool.write_latent(self.layer_id, fb.out_cache_loc, latent)

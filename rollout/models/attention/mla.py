@@ -60,9 +60,11 @@ class MLASelfAttention(nn.Module):
                                                                                 self.rank)
         return w[:, :self.nope], w[:, self.nope:]
 
-    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
-        """x [N, hidden] -> q [N, H, R + P] (latent query, rotated rope query); writes this
-        forward's latent + rope key into the KV pool."""
+    def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+            ) -> tuple[torch.Tensor, torch.Tensor, None]:
+        """x [N, hidden] -> q [N, H, R + P] (latent query, rotated rope query), the latent rows
+        [N, R + P] (normed latent, rotated rope key) the KV pool stores, None (no per-head values);
+        nothing written (a compiled forward's opaque attention op writes them)."""
         n = x.shape[0]
         q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if self.q_lora else self.q_proj(x)
         q = q.view(n, self.num_heads, self.nope + self.rope)
@@ -70,13 +72,20 @@ class MLASelfAttention(nn.Module):
         latent, k_rope = self.kv_a_proj_with_mqa(x).split([self.rank, self.rope], dim=-1)
         latent = self.kv_a_layernorm(latent)                                 # [N, R]
         k_rope = self._rotate(k_rope.view(n, 1, self.rope), cos, sin)        # [N, 1, P]
-        self.attn.write_latent(torch.cat((latent, k_rope[:, 0]), dim=-1), fb)
+        rows = torch.cat((latent, k_rope[:, 0]), dim=-1)
         w_uk, _ = self._w_kv()
         if self.exact:
             q_lat = exact_ops.grouped_linear(q_nope.transpose(0, 1), w_uk.transpose(1, 2)).transpose(0, 1)
         else:
             q_lat = torch.einsum("nhd,hdr->nhr", q_nope, w_uk)               # [N, H, R]
-        return torch.cat((q_lat, self._rotate(q_rope, cos, sin)), dim=-1)
+        return torch.cat((q_lat, self._rotate(q_rope, cos, sin)), dim=-1), rows, None
+
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        """x [N, hidden] -> q [N, H, R + P] (latent query, rotated rope query); writes this
+        forward's latent + rope key into the KV pool."""
+        q, rows, _ = self.qkv(x, cos, sin)
+        self.attn.write_latent(rows, fb)
+        return q
 
     def output(self, attn: torch.Tensor) -> torch.Tensor:
         """attn [N, H * R] (attention core output, latent space) -> [N, hidden]."""
