@@ -186,7 +186,8 @@ class FusedExperts(nn.Module):
     @staticmethod
     def choose_impl(x: torch.Tensor, graph_safe: bool, rows: int = 0) -> str:
         """rows: (token, expert) pairs routed. "padded" (batched matmul over experts padded to the
-        busiest; reads the counts on the host) for few rows on CPU; "grouped" (torch's grouped
+        busiest, or large experts one by one: EXPERT_CALL_BYTES; reads the counts on the host) for
+        few rows on CPU; "grouped" (torch's grouped
         GEMM: two kernels for all experts, no host sync) where torch has it for x's device and
         dtype (CPU; CUDA bf16 on SM80+); else the per-expert "loop" (reads the expert counts on
         the host), or "dense" (every held expert over every row; no host sync) when graph_safe."""
