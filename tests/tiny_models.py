@@ -194,20 +194,19 @@ def random_prompts(seed: int, lengths, vocab: int = 256) -> list[list[int]]:
 SUITE_ENGINE_KW = "ROLLOUT_TEST_ENGINE_KW"
 
 
-def _with_suite_kw(path, kw: dict) -> dict:
+def _with_suite_kw(kw: dict) -> dict:
     """kw under the suite's settings. The suite's enable_torch_compile applies where the test's
-    engine can compile (refused by name otherwise): not with deterministic inference, an MLA
-    checkpoint, or decode buckets of the test's own that are all above torch_compile_max_bs."""
+    engine can compile (refused by name otherwise): not with deterministic inference, on CUDA, or
+    with decode buckets of the test's own that are all above torch_compile_max_bs."""
     import json
     import os
 
     suite = json.loads(os.environ.get(SUITE_ENGINE_KW, "{}"))
     if suite.get("enable_torch_compile") and "enable_torch_compile" not in kw:
-        config = json.loads((Path(path) / "config.json").read_text())
         max_bs = kw.get("torch_compile_max_bs", suite.get("torch_compile_max_bs", 32))
         own = kw.get("decode_graph_batch_sizes")
-        if (kw.get("enable_deterministic_inference") or config.get("kv_lora_rank")
-                or (own and min(own) > max_bs) or str(kw.get("device", "cpu")).startswith("cuda")):
+        if (kw.get("enable_deterministic_inference") or (own and min(own) > max_bs)
+                or str(kw.get("device", "cpu")).startswith("cuda")):
             suite = {k: v for k, v in suite.items() if k not in ("enable_torch_compile", "torch_compile_max_bs")}
     return {**suite, **kw}
 
@@ -217,7 +216,7 @@ def make_engine(path, *, capture: bool = True, **kw):
     from rollout import Rollout
     from rollout.config import DEFAULT_MODEL_PATH
 
-    kw = _with_suite_kw(path, kw)
+    kw = _with_suite_kw(kw)
     kw.setdefault("dtype", "float32")
     kw.setdefault("tokenizer_path", DEFAULT_MODEL_PATH)
     if capture:
