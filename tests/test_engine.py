@@ -35,6 +35,34 @@ def test_greedy_and_logprobs_match_transformers(tiny_checkpoint, arch):
         assert out.finish_reason == "length" and out.prompt_tokens == len(prompt)
 
 
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_large_experts_one_by_one_match_transformers(tiny_checkpoint, arch, monkeypatch):
+    """Experts run one by one over views of their weights (the CPU path for experts larger than
+    FusedExperts.EXPERT_CALL_BYTES, forced here for the tiny ones), and a lone decoding request
+    takes the one-token path: greedy ids and logprobs are still transformers'."""
+    from rollout.models.moe.experts import FusedExperts
+
+    calls = {"each": 0, "one": 0}
+    each, one = FusedExperts._each_expert, FusedExperts._one_token
+    monkeypatch.setattr(FusedExperts, "EXPERT_CALL_BYTES", 1)
+    monkeypatch.setattr(FusedExperts, "_each_expert", lambda self, *a: calls.__setitem__("each", calls["each"] + 1)
+                        or each(self, *a))
+    monkeypatch.setattr(FusedExperts, "_one_token", lambda self, *a: calls.__setitem__("one", calls["one"] + 1)
+                        or one(self, *a))
+    path = tiny_checkpoint(arch)
+    batch = prompts(1, [5, 17, 40])
+    with make_engine(path, client="inproc") as engine:   # NOTE: the monkeypatch reaches only this process
+        outs = engine.generate(input_ids=batch[:1], sampling_params=GREEDY, return_logprob=True)
+        outs += engine.generate(input_ids=batch[1:], sampling_params=GREEDY, return_logprob=True)
+        engine.check_integrity()
+    assert calls["each"] and calls["one"], calls
+    for prompt, out in zip(batch, outs):
+        assert out.output_ids == hf_greedy(path, prompt, 32)
+        ref = hf_logprobs(path, prompt, out.output_ids)
+        got = torch.tensor(out.output_logprobs)
+        assert torch.allclose(got, ref, atol=1e-4, rtol=0), (got - ref).abs().max()
+
+
 @pytest.mark.parametrize("arch", ["qwen3_moe", "olmoe"])
 def test_grpo_group_decode_matches_transformers(tiny_checkpoint, arch, monkeypatch):
     """n samples of long prompts decode through the shared-prefix cascade (the prompts' KV read
