@@ -174,7 +174,9 @@ def test_slime_shaped_requests_to_a_real_server():
             replies = list(pool.map(lambda p: c.post("/generate", json=p), payloads))
             assert all(r.status_code == 200 for r in replies), [r.text for r in replies]
             answers[name] = [r.json() for r in replies]
-    strip = ("e2e_latency", "id")
+    # NOTE: cached_tokens: whether a sample's prompt was already cached depends on when its request
+    # reached the server next to the others (either server), not on the schedule
+    strip = ("e2e_latency", "id", "cached_tokens")
     for a, b in zip(answers["sequential"], answers["overlap"]):
         assert a["output_ids"] == b["output_ids"]
         assert {k: v for k, v in a["meta_info"].items() if k not in strip} == \
