@@ -266,12 +266,12 @@ def test_small_batches_read_only_the_experts_routed_to(monkeypatch, fp8):
             assert torch.allclose(got, module(xs, ws, many, impl="loop"), atol=1e-5)
 
 
-
 @pytest.mark.parametrize("batch", [1, 3, 20])
 def test_large_experts_run_one_by_one_over_views(monkeypatch, batch):
     """Where a gather would copy more bytes than a call per expert costs, the padded path runs each
     routed expert on its own over a view of its weights: it reads exactly the experts routed to
-    (one at a time, or all held at once where every one is routed to), nothing gathered, and equals the per-expert loop (also on a shard and a range)."""
+    (one at a time, or all held at once where every one is routed to), nothing gathered, and
+    equals the per-expert loop (also on a shard and a range)."""
     monkeypatch.setattr(FusedExperts, "EXPERT_CALL_BYTES", 1)
     torch.manual_seed(0)
     full = FusedExperts(hidden_size=32, intermediate_size=16, num_experts=12)
@@ -300,7 +300,8 @@ def test_large_experts_run_one_by_one_over_views(monkeypatch, batch):
             with torch.no_grad():
                 got = module(x, w, ids, experts=rng, impl="padded")
                 want = sorted({e for e in ids.flatten().tolist() if lo <= e < hi})
-                assert sorted(e for name, first, num in read if name == "w13" for e in range(first, first + num)) == want
+                got_read = sorted(e for name, first, num in read if name == "w13" for e in range(first, first + num))
+                assert got_read == want
                 assert torch.allclose(got, module(x, w, ids, experts=rng, impl="loop"), atol=1e-6), rng
 
 
