@@ -20,7 +20,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
+import subprocess
 import sys
 import time
 
@@ -60,6 +62,29 @@ def moe_batch1(experts_held: list[int], threads: int, repeats: int = 50) -> list
     return rows
 
 
+def killed_or_seconds(kind: str, path: str, batch: int, prompt: int, new: int, threads: int) -> float | None:
+    """midsize_moe.in_fresh_process's seconds, or None when the run was killed (SIGKILL: the
+    kernel's out-of-memory killer, e.g. transformers' prefill of 128 x 4,096 tokens in 24 GiB)."""
+    try:
+        return midsize_moe.in_fresh_process(kind, path, batch, prompt, new, threads)
+    except subprocess.CalledProcessError as err:
+        if err.returncode != -signal.SIGKILL:
+            raise
+        print(f"  batch {batch} prompt {prompt}: {kind} was killed (SIGKILL: out of memory?)", flush=True)
+        return None
+
+
+def tok_s(value: float | None) -> str:
+    return "killed" if value is None else f"{value:8.1f} tok/s"
+
+
+def cell_text(cell: dict) -> str:
+    if cell["ratio"] is not None:
+        return f"{cell['ratio']:.2f}x ({cell['engine_tok_s']:.0f} / {cell['hf_tok_s']:.0f})"
+    eng, hf = (("killed" if v is None else f"{v:.0f}") for v in (cell["engine_tok_s"], cell["hf_tok_s"]))
+    return f"{eng} / {hf}"
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 128])
@@ -85,19 +110,19 @@ def main(argv=None) -> int:
             runs = {"engine": [], "hf": []}
             for _ in range(args.repeats):
                 for kind in ("engine", "hf"):
-                    runs[kind].append(midsize_moe.in_fresh_process(kind, path, b, p, args.new, args.threads))
+                    runs[kind].append(killed_or_seconds(kind, path, b, p, args.new, args.threads))
             tok = b * args.new
-            eng, hf = tok / statistics.median(runs["engine"]), tok / statistics.median(runs["hf"])
+            eng, hf = (None if None in runs[k] else tok / statistics.median(runs[k]) for k in ("engine", "hf"))
+            ratio = None if eng is None or hf is None else eng / hf
             cells.append({"batch": b, "prompt": p, "new": args.new, "engine_tok_s": eng, "hf_tok_s": hf,
-                          "ratio": eng / hf, "engine_s": runs["engine"], "hf_s": runs["hf"]})
-            print(f"  batch {b:4d} prompt {p:5d}: engine {eng:8.1f} tok/s, transformers {hf:8.1f} tok/s, "
-                  f"{eng / hf:.2f}x", flush=True)
+                          "ratio": ratio, "engine_s": runs["engine"], "hf_s": runs["hf"]})
+            print(f"  batch {b:4d} prompt {p:5d}: engine {tok_s(eng)}, transformers {tok_s(hf)}"
+                  + (f", {ratio:.2f}x" if ratio is not None else ""), flush=True)
     print("\n| batch \\ prompt | " + " | ".join(str(p) for p in args.prompts) + " |")
     print("|---|" + "---|" * len(args.prompts))
     for b in args.batches:
         row = [c for c in cells if c["batch"] == b]
-        print(f"| {b} | " + " | ".join(f"{c['ratio']:.2f}x ({c['engine_tok_s']:.0f} / {c['hf_tok_s']:.0f})"
-                                       for c in row) + " |")
+        print(f"| {b} | " + " | ".join(cell_text(c) for c in row) + " |")
     print("cells: engine / transformers output tok/s (engine tok/s / transformers tok/s)")
     moe = moe_batch1(args.experts, args.threads)
     print("\n| experts held (top-4) | held MiB | MoE layer, 1 token (ms) | vs the fewest |")
