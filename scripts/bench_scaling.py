@@ -10,6 +10,7 @@ Part 1, per cell (batch B, prompt P): B requests of P random tokens, `--new` out
 (ignore_eos, temperature 1), one ``generate`` call: the engine (``Rollout.generate``) and
 transformers (``generate`` over one batch; equal lengths, so no padding), each in a fresh process
 after a warm-up call, the two interleaved; output tok/s, medians over --repeats, and their ratio.
+A run the kernel kills (SIGKILL: out of memory) shows as "killed", and the cell has no ratio.
 
 Part 2: one MoE layer (``FusedExperts``, the engine's experts, hidden 512, expert intermediate 256,
 top-4) on 1 token (a batch-1 decode step) with 32 to 256 experts held: its time should follow the 4
