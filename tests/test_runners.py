@@ -183,21 +183,27 @@ def test_piecewise_prefill_equals_one_forward(tiny_checkpoint, arch, overrides):
         assert torch.equal(a, b)
 
 
+def _full_and_shard(hidden: int, inter: int, experts: int, held: tuple[int, int], std: float):
+    """Seeded random FusedExperts over every expert, and a shard holding experts [held) of the same weights."""
+    torch.manual_seed(0)
+    full = FusedExperts(hidden_size=hidden, intermediate_size=inter, num_experts=experts)
+    with torch.no_grad():
+        full.w13.normal_(std=std)
+        full.w2.normal_(std=std)
+    shard = FusedExperts(hidden_size=hidden, intermediate_size=inter, num_experts=experts)
+    shard.shard(*held)
+    with torch.no_grad():
+        shard.w13.copy_(full.w13[held[0]:held[1]])
+        shard.w2.copy_(full.w2[held[0]:held[1]])
+    return full, shard
+
+
 @pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.bfloat16, 0.1)])
 def test_moe_expert_paths_agree(dtype, atol):
     """The padded batched-matmul path, the grouped-GEMM path (no host sync), the per-expert loop
     and the dense graph-safe path give the same output over any expert range, on a whole module
     and on an expert shard."""
-    torch.manual_seed(0)
-    full = FusedExperts(hidden_size=16, intermediate_size=8, num_experts=6)
-    with torch.no_grad():
-        full.w13.normal_(std=0.3)
-        full.w2.normal_(std=0.3)
-    shard = FusedExperts(hidden_size=16, intermediate_size=8, num_experts=6)
-    shard.shard(2, 5)
-    with torch.no_grad():
-        shard.w13.copy_(full.w13[2:5])
-        shard.w2.copy_(full.w2[2:5])
+    full, shard = _full_and_shard(16, 8, 6, (2, 5), std=0.3)
     full, shard = full.to(dtype), shard.to(dtype)
     x = torch.randn(11, 16, dtype=dtype)
     ids = torch.stack([torch.randperm(6)[:2] for _ in range(11)])
@@ -273,16 +279,7 @@ def test_large_experts_run_one_by_one_over_views(monkeypatch, batch):
     (one at a time, or all held at once where every one is routed to), nothing gathered, and
     equals the per-expert loop (also on a shard and a range)."""
     monkeypatch.setattr(FusedExperts, "EXPERT_CALL_BYTES", 1)
-    torch.manual_seed(0)
-    full = FusedExperts(hidden_size=32, intermediate_size=16, num_experts=12)
-    with torch.no_grad():
-        full.w13.normal_(std=0.1)
-        full.w2.normal_(std=0.1)
-    shard = FusedExperts(hidden_size=32, intermediate_size=16, num_experts=12)
-    shard.shard(4, 9)
-    with torch.no_grad():
-        shard.w13.copy_(full.w13[4:9])
-        shard.w2.copy_(full.w2[4:9])
+    full, shard = _full_and_shard(32, 16, 12, (4, 9), std=0.1)
     x, w = torch.randn(batch, 32), torch.rand(batch, 4)
     ids = torch.stack([torch.randperm(12 if batch < 20 else 8)[:4] for _ in range(batch)])
     for module, ranges in ((full, (None, (0, 6), (6, 12), (3, 3))), (shard, (None, (5, 7)))):

@@ -255,7 +255,7 @@ class EngineConfig:
         object.__setattr__(self, "prefill_graph_token_sizes",
                            _int_tuple("prefill_graph_token_sizes", self.prefill_graph_token_sizes))
         check_range("torch_compile_max_bs", self.torch_compile_max_bs, 1, MAX_COMPILE_BS, integer=True)
-        if self.enable_torch_compile is True and not self.decode_graph_batch_sizes:
+        if self.enable_torch_compile and not self.decode_graph_batch_sizes:
             # NOTE: SGLang's --enable-torch-compile alone compiles its decode batch sizes up to the max:
             # without buckets of its own, the powers of two up to torch_compile_max_bs
             object.__setattr__(self, "decode_graph_batch_sizes", tuple(
