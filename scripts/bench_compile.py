@@ -86,7 +86,7 @@ def main() -> None:
         "model": path, "threads": args.threads, "prompt": args.prompt, "rounds": args.rounds,
         "startup_s": {m: round(v, 2) for m, v in startup.items()},
         "compile_s_per_bucket": report["decode_graph"].get("compile_seconds", {}),
-        "graphs_per_bucket": report["decode_graph"]["graphs"],
+        "graphs_per_bucket": report["decode_graph"].get("compiled_graphs", {}),
         "decode_tok_s": {m: {str(b): round(b / s, 1) for b, s in per.items()} for m, per in step.items()},
         "decode_step_ms": {m: {str(b): round(1e3 * s, 3) for b, s in per.items()} for m, per in step.items()},
         "speedup": {str(b): round(step["eager"][b] / step["compiled"][b], 3) for b in BATCHES},

@@ -196,8 +196,8 @@ SUITE_ENGINE_KW = "ROLLOUT_TEST_ENGINE_KW"
 
 def _with_suite_kw(kw: dict) -> dict:
     """kw under the suite's settings. The suite's enable_torch_compile applies where the test's
-    engine can compile (refused by name otherwise): not with deterministic inference, on CUDA, or
-    with decode buckets of the test's own that are all above torch_compile_max_bs."""
+    engine can compile (refused by name otherwise): not with deterministic inference, or with
+    decode buckets of the test's own that are all above torch_compile_max_bs."""
     import json
     import os
 
@@ -205,8 +205,7 @@ def _with_suite_kw(kw: dict) -> dict:
     if suite.get("enable_torch_compile") and "enable_torch_compile" not in kw:
         max_bs = kw.get("torch_compile_max_bs", suite.get("torch_compile_max_bs", 32))
         own = kw.get("decode_graph_batch_sizes")
-        if (kw.get("enable_deterministic_inference") or (own and min(own) > max_bs)
-                or str(kw.get("device", "cpu")).startswith("cuda")):
+        if kw.get("enable_deterministic_inference") or (own and min(own) > max_bs):
             suite = {k: v for k, v in suite.items() if k not in ("enable_torch_compile", "torch_compile_max_bs")}
     return {**suite, **kw}
 

@@ -294,9 +294,6 @@ class EngineConfig:
             # bitwise those of the same engine without enable_torch_compile
             raise ValueError("enable_torch_compile and enable_deterministic_inference cannot be combined: the "
                              "compiled forward is not bitwise equal to the uncompiled one; turn one of them off")
-        if not self.device.startswith("cpu"):
-            # NOTE: on CUDA the decode buckets replay CUDA graphs; compiling inside them is not built yet
-            raise ValueError(f"enable_torch_compile runs on device cpu only so far, got device={self.device!r}")
 
     def check_devices(self) -> None:
         """Raises ValueError when this machine lacks the GPUs the config asks for (DP rank r runs

@@ -24,7 +24,7 @@ from capture.capturer import GatherLayout
 from rollout.batch.forward_batch import ForwardBatch, ForwardOutput, ScheduledBatch
 from rollout.batch.kv_pool import KVPool
 from rollout.exec.runners.capture_profiler import GraphCaptureProfiler
-from rollout.exec.runners.compiled_backend import CompiledBackend
+from rollout.exec.runners.compiled_backend import CompiledBackend, CompiledCudaGraphBackend
 from rollout.exec.runners.decode_graph_runner import DecodeGraphRunner
 from rollout.exec.runners.graph_backend import CudaGraphBackend, GraphBackend, GraphMemoryPool
 from rollout.exec.runners.piecewise_backend import PiecewiseBackend
@@ -179,7 +179,7 @@ class ModelRunner:
         use_cuda_graphs: default on for a CUDA device. static_grid: keep the decode attention grid
         at seq_capacity keys (default: only with CUDA graphs, which need it). torch_compile_max_bs:
         the decode buckets up to it run a torch.compile'd forward (runners/compiled_backend.py;
-        None: none is compiled).
+        with CUDA graphs, captured over it; None: none is compiled).
         """
         self.model = model
         self.kv_pool = kv_pool
@@ -206,9 +206,8 @@ class ModelRunner:
             compile_keys = tuple(s for s in limits.decode_graph_batch_sizes
                                  if torch_compile_max_bs is not None and s <= torch_compile_max_bs)
             if compile_keys:
-                if use_cuda_graphs:
-                    raise ValueError("enable_torch_compile is not built for CUDA graphs yet: run it on device cpu")
-                backend = CompiledBackend(model, compile_keys)
+                backend = (CompiledCudaGraphBackend(model, compile_keys, self.graph_pool) if use_cuda_graphs
+                           else CompiledBackend(model, compile_keys))
             else:
                 backend = CudaGraphBackend(model, self.graph_pool) if use_cuda_graphs else GraphBackend(model)
             self.runners[DECODE] = DecodeGraphRunner(
@@ -235,17 +234,18 @@ class ModelRunner:
                 runner.capture(profiler, self.dp_rank)
 
     def report(self) -> dict:
-        """Per static runner: whether it replays CUDA graphs, how many it captured per key, forwards run."""
+        """Per static runner: whether it replays CUDA graphs, how many it captured per key, forwards
+        run; compiled buckets: seconds each took to compile and graphs inductor made for each."""
         out: dict = {}
         for name, runner in self.runners.items():
-            graphs = getattr(runner.backend, "graphs", {}) if hasattr(runner, "backend") else {}
-            out[name] = {"uses_graphs": bool(getattr(getattr(runner, "backend", None), "uses_graphs", False)),
-                         "graphs": {str(k): v if isinstance(v, int) else len(v) if isinstance(v, list) else 1
-                                    for k, v in graphs.items()},
+            backend = getattr(runner, "backend", None)
+            graphs = getattr(backend, "graphs", {})
+            out[name] = {"uses_graphs": bool(getattr(backend, "uses_graphs", False)),
+                         "graphs": {str(k): len(v) if isinstance(v, list) else 1 for k, v in graphs.items()},
                          "forwards": self.counts[name]}
-            compile_seconds = getattr(getattr(runner, "backend", None), "compile_seconds", None)
-            if compile_seconds is not None:
-                out[name]["compile_seconds"] = {str(k): round(v, 3) for k, v in compile_seconds.items()}
+            if getattr(backend, "compiles", False):
+                out[name]["compile_seconds"] = {str(k): round(v, 3) for k, v in backend.compile_seconds.items()}
+                out[name]["compiled_graphs"] = {str(k): v for k, v in backend.compiled_graphs.items()}
         return out
 
     def rank_shapes(self, batch: Optional[ScheduledBatch]) -> list[RankShape]:

@@ -1,6 +1,8 @@
 """CompiledBackend: the decode buckets up to `torch_compile_max_bs` run a torch.compile'd forward
-(inductor: C++/OpenMP kernels on CPU), one specialization per bucket (dynamic=False), compiled
-when the runner captures (engine startup); larger buckets run the plain forward.
+(inductor: C++/OpenMP kernels on CPU, Triton kernels on CUDA), one specialization per bucket
+(dynamic=False), compiled when the runner captures (engine startup); larger buckets run the plain
+forward. On CUDA with CUDA graphs (CompiledCudaGraphBackend) every bucket replays a graph, and a
+compiled bucket's graph holds its compiled kernels.
 
 The compiled function is the model's own forward over a ForwardBatch that carries an OpaqueStep
 (rollout/models/opaque_step.py): attention (KV write and core) and each MoE layer (router,
@@ -21,7 +23,7 @@ from typing import Hashable
 import torch
 
 from rollout.batch.forward_batch import ForwardBatch
-from rollout.exec.runners.graph_backend import GraphBackend
+from rollout.exec.runners.graph_backend import CudaGraphBackend, GraphBackend, GraphMemoryPool
 from rollout.models.opaque_step import OpaqueStep
 
 
@@ -34,7 +36,7 @@ class CompiledBackend(GraphBackend):
         super().__init__(model)
         self.compile_keys = tuple(sorted(compile_keys))
         self.compile_seconds: dict[Hashable, float] = {}
-        self.graphs: dict[Hashable, int] = {}      # key -> graphs inductor compiled for it (1: no break)
+        self.compiled_graphs: dict[Hashable, int] = {}   # key -> graphs inductor compiled for it (1: no break)
         self._compiling: Hashable | None = None
         # NOTE: one compiled callable for every bucket: dynamo keeps one specialization per input
         # shape (dynamic=False), so each bucket is its own graph and its own cache entry
@@ -50,21 +52,20 @@ class CompiledBackend(GraphBackend):
         if key is None:
             raise RuntimeError("a compiled decode bucket was recompiled while running (a guard on its input "
                                "failed): the forward's inputs must have the bucket's static shapes")
-        self.graphs[key] = self.graphs.get(key, 0) + 1
+        self.compiled_graphs[key] = self.compiled_graphs.get(key, 0) + 1
         return compile_fx(gm, example_inputs)
 
     def compiled(self, key: Hashable) -> bool:
         return key in self.compile_keys
 
-    @torch.inference_mode()
-    def capture(self, key: Hashable, fb: ForwardBatch) -> None:
-        """Compiles bucket `key` (a warm-up forward of its static buffers through the compiled
-        function), or the plain warm-up forward of a bucket that is not compiled."""
+    def forward(self, key: Hashable, fb: ForwardBatch) -> torch.Tensor:
+        """Bucket key's compiled forward (compiled by its first call: the capture at startup, or
+        the first step of a runner that was not captured); the plain forward above the compiled sizes."""
         if not self.compiled(key):
-            super().capture(key, fb)
-            return
-        assert key not in self.compile_seconds, key
-        self._compile(key, fb)
+            return super().forward(key, fb)
+        if key not in self.compile_seconds:
+            return self._compile(key, fb)
+        return self._run_compiled(fb)
 
     def _compile(self, key: Hashable, fb: ForwardBatch) -> torch.Tensor:
         start = time.perf_counter()
@@ -81,9 +82,21 @@ class CompiledBackend(GraphBackend):
     def _run_compiled(self, fb: ForwardBatch) -> torch.Tensor:
         return self._compiled(dataclasses.replace(fb, opaque=OpaqueStep(self.model, fb)))
 
-    def run(self, key: Hashable, fb: ForwardBatch) -> torch.Tensor:
-        if not self.compiled(key):
-            return super().run(key, fb)
-        if key not in self.compile_seconds:
-            return self._compile(key, fb)      # NOTE: a runner that was not captured compiles on first use
-        return self._run_compiled(fb)
+
+class CompiledCudaGraphBackend(CudaGraphBackend):
+    """CUDA: every bucket replays a CUDA graph (CudaGraphBackend's capture and run), and a compiled
+    bucket's graph is captured over its compiled forward, as SGLang captures its compiled model:
+    the first warm-up run compiles (inductor's Triton kernels), the capture records those kernels
+    and the opaque ops' eager kernels (graph-safe: the MoE takes its sync-free path)."""
+
+    compiles = True
+
+    def __init__(self, model: torch.nn.Module, compile_keys: tuple[int, ...], pool: GraphMemoryPool):
+        super().__init__(model, pool)
+        self.compiler = CompiledBackend(model, compile_keys)
+        self.compile_keys = self.compiler.compile_keys
+        self.compile_seconds = self.compiler.compile_seconds       # (the compiler's own records)
+        self.compiled_graphs = self.compiler.compiled_graphs
+
+    def forward(self, key: Hashable, fb: ForwardBatch) -> torch.Tensor:
+        return self.compiler.forward(key, fb)

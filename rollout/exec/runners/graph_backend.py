@@ -34,12 +34,16 @@ class GraphBackend:
     def __init__(self, model: torch.nn.Module):
         self.model = model
 
+    def forward(self, key: Hashable, fb: ForwardBatch) -> torch.Tensor:
+        """Bucket key's forward: what run calls, and what a CUDA graph captures (CompiledBackend: compiled)."""
+        return self.model(fb)
+
     @torch.inference_mode()
     def capture(self, key: Hashable, fb: ForwardBatch) -> None:
-        self.model(fb)
+        self.forward(key, fb)
 
     def run(self, key: Hashable, fb: ForwardBatch) -> torch.Tensor:
-        return self.model(fb)
+        return self.forward(key, fb)
 
 
 class CudaGraphBackend(GraphBackend):
@@ -64,11 +68,11 @@ class CudaGraphBackend(GraphBackend):
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for _ in range(self.WARMUP_RUNS):
-                self.model(dataclasses.replace(fb, graph_safe=True))
+                self.forward(key, dataclasses.replace(fb, graph_safe=True))
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool.handle):
-            out = self.model(dataclasses.replace(fb, graph_safe=True))
+            out = self.forward(key, dataclasses.replace(fb, graph_safe=True))
         self.pool.adopt(graph)
         self.graphs[key] = (graph, out)
 
