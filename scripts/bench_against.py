@@ -15,13 +15,16 @@ same background load; it prints the medians and the per-repeat ratios, and --jso
   and checkpoint and the two sets of tokens, logprobs (as exact floats) and routing rows (hashed)
   must be identical; exits 1 and prints the first differences otherwise. With --engine-kw this
   checkout's Python workloads run with those engine settings: against --commit HEAD, the same code
-  with and without them (the overlap schedule, torch.compile).
+  with and without them (the overlap schedule, torch.compile). torch.compile is not bitwise:
+  --float-tol lets floats (logprobs) differ by that much and still requires all else identical.
 
   .venv/bin/python scripts/bench_against.py --commit 35146c0 --repeats 6
   .venv/bin/python scripts/bench_against.py --commit 35146c0 --bench server --repeats 4
   .venv/bin/python scripts/bench_against.py --commit 35146c0 --outputs
   .venv/bin/python scripts/bench_against.py --commit HEAD --outputs --workloads python python_chunked \
       --engine-kw '{"enable_overlap_schedule": true}'
+  .venv/bin/python scripts/bench_against.py --commit HEAD --outputs --workloads python python_chunked \
+      --engine-kw '{"enable_torch_compile": true, "enable_overlap_schedule": true}' --float-tol 1e-5
 """
 from __future__ import annotations
 
@@ -75,33 +78,51 @@ def seeded_outputs(tree: str, out: str, workloads: list[str], engine_kw: str = "
         return json.load(f)["outputs"]
 
 
-def differences(a, b, path: str = "") -> list[str]:
+def _hex_float(value) -> float | None:
+    """A float that seeded_outputs wrote as its exact hex (None for anything else)."""
+    return float.fromhex(value) if isinstance(value, str) and "0x" in value else None
+
+
+def differences(a, b, path: str = "", tol: float = 0.0, worst: list | None = None) -> list[str]:
+    """Where a and b differ; with tol > 0 two floats differ only past tol (worst[0]: the largest gap within it)."""
+    if tol > 0 and _hex_float(a) is not None and _hex_float(b) is not None:
+        gap = abs(_hex_float(a) - _hex_float(b))
+        if gap <= tol:
+            if worst is not None:
+                worst[0] = max(worst[0], gap)
+            return []
+        return [f"{path}: {_hex_float(a)!r} vs {_hex_float(b)!r} (|d| {gap:.3g} > {tol:g})"]
     if type(a) is not type(b):
         return [f"{path}: {a!r:.80} vs {b!r:.80}"]
     if isinstance(a, dict):
         keys = sorted(set(a) | set(b))
-        return [d for k in keys for d in (differences(a.get(k), b.get(k), f"{path}.{k}") if k in a and k in b
+        return [d for k in keys for d in (differences(a.get(k), b.get(k), f"{path}.{k}", tol, worst) if k in a and k in b
                                           else [f"{path}.{k}: only in {'this checkout' if k in a else 'the other'}"])]
     if isinstance(a, list):
         if len(a) != len(b):
             return [f"{path}: {len(a)} items vs {len(b)}"]
-        return [d for i, (x, y) in enumerate(zip(a, b)) for d in differences(x, y, f"{path}[{i}]")]
+        return [d for i, (x, y) in enumerate(zip(a, b)) for d in differences(x, y, f"{path}[{i}]", tol, worst)]
     return [] if a == b else [f"{path}: {a!r:.80} vs {b!r:.80}"]
 
 
-def compare_outputs(head: str, sha: str, other: str, workloads: list[str], engine_kw: str) -> int:
+def compare_outputs(head: str, sha: str, other: str, workloads: list[str], engine_kw: str, tol: float = 0.0) -> int:
     with tempfile.TemporaryDirectory(prefix="bench_against_outputs_") as tmp:
         mine = seeded_outputs(HERE, os.path.join(tmp, "head.json"), workloads, engine_kw)
         theirs = seeded_outputs(other, os.path.join(tmp, "other.json"), workloads)
     if engine_kw != "{}":
         head = f"{head} with {engine_kw}"
-    diffs = differences(mine, theirs)
+    worst = [0.0]
+    diffs = differences(mine, theirs, tol=tol, worst=worst)
     counts = {name: len(outs) for name, outs in mine.items()}
     if diffs:
         print(f"{head} vs {sha}: {len(diffs)} differences in {counts} outputs; the first:")
         print("\n".join(diffs[:20]))
         return 1
-    print(f"{head} vs {sha}: identical ({counts} outputs: tokens, text, exact logprobs, routing rows)")
+    if tol > 0:
+        print(f"{head} vs {sha}: identical but for floats within {tol:g} (largest gap {worst[0]:.3g}; {counts} "
+              f"outputs: tokens, text, logprobs, routing rows)")
+    else:
+        print(f"{head} vs {sha}: identical ({counts} outputs: tokens, text, exact logprobs, routing rows)")
     return 0
 
 
@@ -116,6 +137,9 @@ def main(argv=None) -> None:
     ap.add_argument("--engine-kw", default="{}", metavar="JSON",
                     help="--outputs: engine settings of this checkout's Python workloads (e.g. --commit HEAD "
                          "--engine-kw '{\"enable_overlap_schedule\": true}': this code with and without them)")
+    ap.add_argument("--float-tol", type=float, default=0.0,
+                    help="--outputs: floats (logprobs) may differ by up to this much, everything else must be "
+                         "identical (torch.compile, which is not bitwise: 1e-5)")
     ap.add_argument("--kind", default="engine", help="bench_throughput worker kind (default: engine, capture off)")
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--n", type=int, default=8)
@@ -130,7 +154,7 @@ def main(argv=None) -> None:
         subprocess.run(["git", "worktree", "add", "--detach", other, sha], cwd=HERE, check=True, capture_output=True)
         try:
             if args.outputs:
-                sys.exit(compare_outputs(head, sha, other, args.workloads, args.engine_kw))
+                sys.exit(compare_outputs(head, sha, other, args.workloads, args.engine_kw, args.float_tol))
             runs: dict[str, list[float]] = {head: [], sha: []}
             for r in range(args.repeats):
                 for name, tree in ((head, HERE), (sha, other)):
