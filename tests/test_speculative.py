@@ -409,6 +409,48 @@ def test_server_reports_speculation(tmp_path):
         assert "sglang:spec_accept_length{" in metrics
 
 
+def test_nextn_through_a_real_server_is_the_plain_server(tiny_checkpoint, tmp_path):
+    """rollout-serve --speculative-algorithm NEXTN on a checkpoint with an MTP layer, sent a GRPO
+    group as slime sends it (one concurrent /generate per sample, logprobs and routing asked) and a
+    streamed greedy request: in deterministic mode every answer is bitwise the plain server's
+    (tokens, logprobs, routing rows), drafts were kept, and the stream adds up to the answer."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
+
+    from rollout.config import DEFAULT_MODEL_PATH
+    from server_proc import ServerProcess, sse_events
+
+    path = _mtp_checkpoint(tiny_checkpoint("deepseek_v3"), tmp_path)
+    prompt = _prompts(6, [25])[0]
+    payloads = [{"input_ids": prompt, "return_logprob": True, "return_routed_experts": True,
+                 "sampling_params": {"temperature": 0.0 if s == 0 else 1.0, "sampling_seed": s, "max_new_tokens": 16,
+                                     "ignore_eos": True}} for s in range(4)]
+    flags = ["--model-path", str(path), "--tokenizer-path", DEFAULT_MODEL_PATH, "--dtype", "float32",
+             "--enable-return-routed-experts", "--enable-deterministic-inference"]
+    answers, streamed = {}, {}
+    for name, extra in (("plain", []), ("nextn", ["--speculative-algorithm", "NEXTN",
+                                                   "--speculative-num-draft-tokens", "4"])):
+        with ServerProcess(flags + extra) as srv, httpx.Client(base_url=srv.url, timeout=120) as c, \
+                ThreadPoolExecutor(len(payloads)) as pool:
+            replies = list(pool.map(lambda p: c.post("/generate", json=p), payloads))
+            assert all(r.status_code == 200 for r in replies), [r.text for r in replies]
+            answers[name] = [r.json() for r in replies]
+            with c.stream("POST", "/generate", json={**payloads[0], "stream": True,
+                                                     "incremental_streaming_output": True}) as r:
+                streamed[name] = [t for ch in sse_events(r) for t in ch["output_ids"]]
+    def same(meta: dict) -> dict:   # NOTE: timing, and which sample's prompt was cached first
+        return {k: v for k, v in meta.items() if not k.startswith("spec_") and k not in ("e2e_latency", "id",
+                                                                                           "cached_tokens")}
+
+    for a, b in zip(answers["plain"], answers["nextn"], strict=True):
+        assert a["output_ids"] == b["output_ids"]
+        assert same(a["meta_info"]) == same(b["meta_info"])
+        assert b["meta_info"]["routed_experts"]
+    assert sum(b["meta_info"]["spec_num_correct_drafts"] for b in answers["nextn"]) > 0
+    assert streamed["nextn"] == streamed["plain"] == answers["plain"][0]["output_ids"]
+
+
 def test_abort_mid_run_returns_an_exact_prefix(tiny_checkpoint):
     """A request aborted while it speculates: its partial output, logprobs and routing rows are the
     start of the output without speculation, and no KV slot is left behind."""

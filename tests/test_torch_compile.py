@@ -101,12 +101,12 @@ def test_compiled_buckets_match_eager(tiny_checkpoint, arch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3"])   # GQA, MLA
-def test_compiled_cuda_graphs_match_uncompiled_graphs(tiny_checkpoint, arch):
+def test_compiled_cuda_graphs_match_uncompiled_graphs(tiny_checkpoint):
     """On a GPU the compiled buckets replay CUDA graphs captured over their compiled forward
     (Triton kernels); buckets above the max replay plain graphs. Against the same engine without
-    compile: greedy and seeded sampled requests, logprobs and routed experts."""
-    path = tiny_checkpoint(arch)
+    compile: greedy and seeded sampled requests, logprobs and routed experts. (One architecture: the
+    GPU check's test budget is small; MLA compiles on CPU in test_compiled_buckets_match_eager.)"""
+    path = tiny_checkpoint("qwen3_moe")
     batch = random_prompts(11, [6, 17, 9, 30, 4])
     params = [dict(GREEDY, max_new_tokens=14), dict(SAMPLED, max_new_tokens=10, sampling_seed=3),
               dict(GREEDY, max_new_tokens=3), dict(SAMPLED, max_new_tokens=12, sampling_seed=8),
