@@ -17,6 +17,7 @@ import psutil
 import pytest
 
 from rollout.config import EngineConfig
+from rollout.config.engine_cli import engine_flags
 from rollout.server.args import ServerArgs
 from server_proc import ServerProcess
 
@@ -77,6 +78,32 @@ def test_sglang_flags_that_mean_the_same_are_accepted():
     e = args.engine
     assert (e.dp_size, e.enable_prefix_caching, e.mem_fraction_static, e.seed) == (2, False, 0.8, 3)
     assert args.engine == EngineConfig(dp_size=2, enable_prefix_caching=False, mem_fraction_static=0.8, seed=3)
+
+
+def test_sglang_cuda_graph_flags_choose_the_decode_buckets():
+    """SGLang's --cuda-graph-bs / --cuda-graph-max-bs / --disable-cuda-graph(-padding) choose the decode
+    static-shape buckets as SGLang chooses its capture sizes (capped at max_running_requests)."""
+    def buckets(*argv):
+        return ServerArgs.from_cli(list(argv)).engine.decode_graph_batch_sizes
+
+    assert buckets("--cuda-graph-bs", "8", "1", "2") == (1, 2, 8) == buckets("--decode-graph-batch-sizes", "1", "2", "8")
+    assert buckets("--cuda-graph-max-bs", "48") == (1, 2, 4, 8, 12, 16, 24, 32, 40, 48)
+    assert buckets("--cuda-graph-max-bs", "600", "--max-running-requests", "1024")[-6:] == (464, 480, 496, 512,
+                                                                                              544, 576)
+    assert buckets("--cuda-graph-max-bs", "300")[-1] == 128            # max_running_requests' default
+    assert buckets("--cuda-graph-max-bs", "5", "--disable-cuda-graph-padding") == (1, 2, 3, 4, 5)
+    assert buckets("--cuda-graph-max-bs", "16", "--speculative-algorithm", "NGRAM") == (
+        1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16)
+    assert buckets("--cuda-graph-max-bs", "16", "--cuda-graph-bs", "3") == (3,)       # the list wins, as in SGLang
+    assert buckets("--cuda-graph-max-bs", "16", "--disable-cuda-graph") == ()
+    assert buckets("--cuda-graph-max-bs", "8", "--enable-torch-compile", "--torch-compile-max-bs", "2") == (1, 2, 4, 8)
+    # the flags an engine process is started with give the same config (the derived buckets with them)
+    for cfg in (EngineConfig(cuda_graph_max_bs=8), EngineConfig(cuda_graph_max_bs=8, disable_cuda_graph=True)):
+        assert ServerArgs.from_cli(engine_flags(cfg)).engine == cfg
+    for kw, says in ((dict(cuda_graph_max_bs=0), "cuda_graph_max_bs"), (dict(disable_cuda_graph="yes"), "disable_cuda_graph"),
+                     (dict(disable_cuda_graph=True, enable_torch_compile=True), "disable_cuda_graph")):
+        with pytest.raises(ValueError, match=says):
+            EngineConfig(**kw)
 
 
 @pytest.mark.parametrize("argv, says", [
@@ -141,14 +168,19 @@ def test_config_file_errors_are_one_line(tmp_path, capsys):
 
 def test_server_starts_from_a_preset_and_the_command_line_wins():
     with ServerProcess(["--config", "configs/engine/tiny-moe.yaml", "--max-running-requests", "7",
-                        "--tp-size", "1", "--trust-remote-code", "--disable-radix-cache"]) as srv:
+                        "--tp-size", "1", "--trust-remote-code", "--disable-radix-cache",
+                        "--cuda-graph-bs", "1", "2", "4"]) as srv:
         info = httpx.get(srv.url + "/server_info", timeout=30).json()
         assert (info["max_running_requests"], info["chunked_prefill_size"]) == (7, 256)
         assert info["disable_radix_cache"] is True and info["tp_size"] == 1 and info["max_total_tokens"] == 8192
+        # SGLang's spelling of the decode buckets, over the preset's
+        assert (info["cuda_graph_bs"], info["cuda_graph_max_bs"], info["disable_cuda_graph"]) == ([1, 2, 4], 4, False)
         r = httpx.post(srv.url + "/generate", timeout=60, json={
             "input_ids": [5, 6, 7], "return_routed_experts": True,
             "sampling_params": {"temperature": 0, "max_new_tokens": 2, "ignore_eos": True}})
         assert r.status_code == 200 and r.json()["meta_info"]["routed_experts"], r.text
+        state = httpx.get(srv.url + "/server_info", timeout=30).json()["internal_states"][0]
+        assert state["forwards_decode_graph"] >= 1
 
 
 # ---- startup failures ------------------------------------------------------------------------------

@@ -42,6 +42,18 @@ def _int_tuple(name: str, value: Any, *, minimum: int = 1) -> tuple[int, ...]:
     return tuple(sorted(out))
 
 
+def sglang_cuda_graph_sizes(max_bs: int, speculative: bool, padding: bool = True) -> tuple[int, ...]:
+    """The decode batch sizes SGLang captures CUDA graphs for up to max_bs (its --cuda-graph-max-bs):
+    every size without padding; denser small sizes with speculative decoding."""
+    if not padding:
+        sizes = list(range(1, max_bs + 1))
+    elif speculative:
+        sizes = [*range(1, 9), *range(10, 33, 2), *range(40, 65, 4), *range(72, 257, 8), *range(272, max_bs + 1, 16)]
+    else:
+        sizes = [1, 2, 4, 8, 12, *range(16, 257, 8), *range(272, 512, 16), *range(512, max_bs + 1, 32)]
+    return tuple(s for s in sizes if s <= max_bs)
+
+
 @dataclass(frozen=True, kw_only=True)
 class EngineConfig:
     model_path: str = field(default=DEFAULT_MODEL_PATH, metadata=flag(
@@ -90,8 +102,20 @@ class EngineConfig:
     enable_return_routed_experts: bool = field(default=False, metadata=flag(
         help="capture routed experts so requests may ask for them"))
     decode_graph_batch_sizes: tuple[int, ...] = field(default=(), metadata=flag(
-        type=int, help="decode batch sizes run as static-shape runners (CUDA graphs on a GPU); a step takes the "
-                       "smallest that fits, larger batches run eagerly", default_text="none: eager decode"))
+        type=int, aliases=("--cuda-graph-bs",),
+        help="decode batch sizes run as static-shape runners (CUDA graphs on a GPU); a step takes the "
+             "smallest that fits, larger batches run eagerly", default_text="none: eager decode"))
+    # SGLang's other CUDA graph flags, which choose the same decode buckets
+    cuda_graph_max_bs: Optional[int] = field(default=None, metadata=flag(
+        type=int, help="without --decode-graph-batch-sizes: the decode buckets are SGLang's capture sizes up to "
+                       "this (1, 2, 4, 8, 12, then every 8 to 256, every 16 to 512, every 32; with speculative "
+                       "decoding 1-8, every 2 to 32, every 4 to 64, every 8 to 256, every 16), at most "
+                       "--max-running-requests", default_text="none"))
+    disable_cuda_graph_padding: bool = field(default=False, metadata=flag(
+        help="with --cuda-graph-max-bs: every batch size from 1 to it is a bucket (no padding)"))
+    disable_cuda_graph: bool = field(default=False, metadata=flag(
+        help="no decode buckets: every decode step runs eagerly, whatever --decode-graph-batch-sizes or "
+             "--cuda-graph-max-bs say"))
     prefill_graph_token_sizes: tuple[int, ...] = field(default=(), metadata=flag(
         type=int, help="prefill token counts run as static-shape piecewise runners; larger prefills run eagerly",
         default_text="none: eager prefill"))
@@ -255,6 +279,19 @@ class EngineConfig:
         object.__setattr__(self, "prefill_graph_token_sizes",
                            _int_tuple("prefill_graph_token_sizes", self.prefill_graph_token_sizes))
         check_range("torch_compile_max_bs", self.torch_compile_max_bs, 1, MAX_COMPILE_BS, integer=True)
+        check_range("cuda_graph_max_bs", self.cuda_graph_max_bs, 1, MAX_COMPILE_BS, integer=True, or_none=True)
+        for name in ("disable_cuda_graph", "disable_cuda_graph_padding"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a boolean, got {getattr(self, name)!r}")
+        if self.disable_cuda_graph:
+            if self.enable_torch_compile:
+                raise ValueError("enable_torch_compile compiles decode buckets and disable_cuda_graph turns them "
+                                 "off: turn one of them off")
+            object.__setattr__(self, "decode_graph_batch_sizes", ())
+        elif self.cuda_graph_max_bs is not None and not self.decode_graph_batch_sizes:
+            object.__setattr__(self, "decode_graph_batch_sizes", sglang_cuda_graph_sizes(
+                min(self.cuda_graph_max_bs, self.max_running_requests), self.speculative_algorithm is not None,
+                padding=not self.disable_cuda_graph_padding))
         if self.enable_torch_compile and not self.decode_graph_batch_sizes:
             # NOTE: SGLang's --enable-torch-compile alone compiles its decode batch sizes up to the max:
             # without buckets of its own, the powers of two up to torch_compile_max_bs

@@ -70,6 +70,8 @@ class ServerInfo:
             "skip_tokenizer_init": False, "log_level": a.log_level, "api_key": "<set>" if a.api_key else None,
             "admin_api_key": "<set>" if a.admin_api_key else None, "attention_backend": "torch_native",
             "cuda_graph_bs": list(e.decode_graph_batch_sizes), "disable_cuda_graph": not e.decode_graph_batch_sizes,
+            "cuda_graph_max_bs": max(e.decode_graph_batch_sizes, default=None),
+            "disable_cuda_graph_padding": e.disable_cuda_graph_padding,
         }
 
     def ready_line(self, url: str, stats: dict) -> str:
