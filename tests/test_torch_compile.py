@@ -102,10 +102,11 @@ def test_compiled_buckets_match_eager(tiny_checkpoint, arch):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_compiled_cuda_graphs_match_uncompiled_graphs(tiny_checkpoint):
-    """On a GPU the compiled buckets replay CUDA graphs captured over their compiled forward
-    (Triton kernels); buckets above the max replay plain graphs. Against the same engine without
-    compile: greedy and seeded sampled requests, logprobs and routed experts. (One architecture: the
-    GPU check's test budget is small; MLA compiles on CPU in test_compiled_buckets_match_eager.)"""
+    """On a GPU a compiled bucket replays a CUDA graph captured over its compiled forward (Triton
+    kernels; bucket 1: the last request's steps), the larger ones plain graphs. Against the same
+    engine without compile: greedy and seeded sampled requests, logprobs and routed experts. (One
+    architecture and one compiled bucket: the GPU check's test budget is small; MLA compiles on CPU
+    in test_compiled_buckets_match_eager.)"""
     path = tiny_checkpoint("qwen3_moe")
     batch = random_prompts(11, [6, 17, 9, 30, 4])
     params = [dict(GREEDY, max_new_tokens=14), dict(SAMPLED, max_new_tokens=10, sampling_seed=3),
@@ -114,7 +115,8 @@ def test_compiled_cuda_graphs_match_uncompiled_graphs(tiny_checkpoint):
     kw = dict(client="inproc", device="cuda", decode_graph_batch_sizes=(1, 2, 4, 8), max_total_tokens=512)
     outs, reports = {}, {}
     for compiled in (False, True):
-        with make_engine(path, enable_torch_compile=compiled, torch_compile_max_bs=2, **kw) as engine:
+        # NOTE: one compiled bucket (Triton compiles take the GPU check's time)
+        with make_engine(path, enable_torch_compile=compiled, torch_compile_max_bs=1, **kw) as engine:
             outs[compiled] = engine.generate(input_ids=batch, sampling_params=params, return_logprob=True,
                                              return_routed_experts=True)
             engine.check_integrity()
@@ -126,7 +128,7 @@ def test_compiled_cuda_graphs_match_uncompiled_graphs(tiny_checkpoint):
         assert torch.equal(got.routed_experts, ref.routed_experts)
     report = reports[True]
     assert report["uses_graphs"] and set(report["graphs"]) == {"1", "2", "4", "8"}
-    assert report["compiled_graphs"] == {"1": 1, "2": 1} and report["forwards"] > 0
+    assert report["compiled_graphs"] == {"1": 1} and report["forwards"] > 0
 
 
 @pytest.mark.parametrize("kw,names", [
