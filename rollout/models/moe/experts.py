@@ -230,15 +230,18 @@ class FusedExperts(nn.Module):
             return self._one_token(x, topk_weights, topk_ids, lo, hi)
         num = hi - lo
         flat_ids = topk_ids.reshape(-1)                                    # [N*K]
-        held = (flat_ids >= lo) & (flat_ids < hi)
-        group = torch.where(held, flat_ids - lo, num)                      # experts not in range: last
-        order = torch.argsort(group, stable=True)                          # [N*K] grouped by expert
-        counts = torch.bincount(group, minlength=num + 1)
-        counts_host = counts.tolist()
-        cap, rows = max(counts_host[:num]), sum(counts_host[:num])
+        if lo == 0 and hi == self.num_experts:
+            group = flat_ids                                               # every routed expert is in range
+        else:
+            held = (flat_ids >= lo) & (flat_ids < hi)
+            group = torch.where(held, flat_ids - lo, num)                  # experts not in range: last
+        sorted_group, order = torch.sort(group, stable=True)               # [N*K] grouped by expert
+        counts_host = torch.bincount(group, minlength=num).tolist()[:num]
+        cap, rows = max(counts_host), sum(counts_host)
         if rows == 0:
             return torch.zeros_like(x)
-        order = order[:rows]                                               # held rows only
+        if rows < order.shape[0]:
+            order, sorted_group = order[:rows], sorted_group[:rows]        # held rows only
         token_of = order // k                                              # [rows] token row
         active = [e for e in range(num) if counts_host[e]]
         gather = 2 * len(active) <= num or self.fp8 is not None
@@ -246,21 +249,22 @@ class FusedExperts(nn.Module):
                 > len(active) * self.EXPERT_CALL_BYTES:
             # NOTE: the bytes a gather copies (or unrouted experts read) outweigh the per-expert calls
             return self._each_expert(x, token_of, topk_weights.reshape(-1).index_select(0, order),
-                                     counts_host[:num], lo)
-        sorted_group = group.index_select(0, order)
-        starts = torch.cumsum(counts, 0) - counts
-        within = torch.arange(rows, device=x.device) - starts.index_select(0, sorted_group)
+                                     counts_host, lo)
         if gather:
             # NOTE: only the experts routed to: a small batch reads (and dequantizes) their weights,
             # not every held expert's
             ids = torch.tensor(active, device=x.device)
-            compact = torch.zeros(num, dtype=torch.long, device=x.device).index_copy_(
-                0, ids, torch.arange(len(active), device=x.device))
-            sorted_group, num = compact.index_select(0, sorted_group), len(active)
             w13, w2, b13, b2 = self._held(lo, hi, x.dtype, ids)
         else:
             w13, w2, b13, b2 = self._held(lo, hi, x.dtype)
-        slot = sorted_group * cap + within
+        # NOTE: row i of the sorted rows (expert e, its j-th row) goes to slot (e's index among the
+        # experts run) * cap + j = i + offset[e], offset[e] = index * cap - (rows before e): host ints
+        offset, start = [0] * num, 0
+        for index, e in enumerate(active if gather else range(num)):
+            offset[e] = index * cap - start
+            start += counts_host[e]
+        num = len(active) if gather else num
+        slot = torch.arange(rows, device=x.device) + torch.tensor(offset, device=x.device).index_select(0, sorted_group)
         padded = x.new_zeros(num * cap, x.shape[1]).index_copy_(0, slot, x.index_select(0, token_of))
         h = torch.bmm(padded.view(num, cap, -1), w13.transpose(1, 2))      # [E, cap, 2I]
         if b13 is not None:
