@@ -39,28 +39,30 @@ class RotaryEmbedding(nn.Module):
         self.scaling = scaling
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [N] -> cos, sin [N, 1, head_dim] in dtype (fp32 math, like HF)."""
+        """positions [N] -> cos, sin [N, 1, head_dim] in dtype (fp32 math, like HF), sin with its
+        first half negated: rotate-half's sign, folded in once per step for apply."""
         d = self.head_dim
         if self.scaling is None:
             inv_freq = 1.0 / (self.theta ** (torch.arange(0, d, 2, dtype=torch.float, device=positions.device) / d))
         else:
             inv_freq = self.scaling.inv_freq(d, self.theta, positions.device)
         freqs = positions[:, None].float() * inv_freq[None, :]           # [N, d/2]
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]              # [N, 1, d]
-        if self.scaling is None:
-            return emb.cos().to(dtype), emb.sin().to(dtype)
-        factor = self.scaling.attention_factor
-        return (emb.cos() * factor).to(dtype), (emb.sin() * factor).to(dtype)
+        c, s = freqs.cos(), freqs.sin()
+        if self.scaling is not None:
+            factor = self.scaling.attention_factor
+            c, s = c * factor, s * factor
+        return (torch.cat((c, c), dim=-1)[:, None, :].to(dtype),          # [N, 1, d]
+                torch.cat((-s, s), dim=-1)[:, None, :].to(dtype))
 
     @staticmethod
     def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x [N, heads, head_dim]; only the first cos.shape[-1] dims rotate (partial rotary)."""
+        """x [N, heads, head_dim]; only the first cos.shape[-1] dims rotate (partial rotary). sin
+        as cos_sin makes it: x * cos + (x's halves swapped) * sin is HF's x * cos +
+        rotate_half(x) * sin, bit for bit (negating is exact, and so is a product's sign)."""
         rot = cos.shape[-1]
         if rot < x.shape[-1]:
             return torch.cat((RotaryEmbedding.apply(x[..., :rot], cos, sin), x[..., rot:]), dim=-1)
-        half = x.shape[-1] // 2
-        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-        return x * cos + rotated * sin
+        return x * cos + torch.roll(x, x.shape[-1] // 2, dims=-1) * sin
 
 
 class GatedMLP(nn.Module):
