@@ -21,10 +21,11 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.exact:
             return exact_ops.rms_norm(x, self.weight, self.eps)
-        dtype = x.dtype
+        if x.dtype == torch.float32:   # NOTE: the same ops without two conversions that change nothing
+            return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(dtype)
+        return self.weight * xf.to(x.dtype)
 
 
 class RotaryEmbedding(nn.Module):
