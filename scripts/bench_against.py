@@ -39,7 +39,7 @@ import tempfile
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(HERE, "scripts"))
 
-from bench_throughput import in_fresh_process  # noqa: E402
+from bench_throughput import in_fresh_process, rotated  # noqa: E402
 
 
 def run_tree(tree: str, kind: str, prompts: int, n: int) -> float:
@@ -157,7 +157,7 @@ def main(argv=None) -> None:
                 sys.exit(compare_outputs(head, sha, other, args.workloads, args.engine_kw, args.float_tol))
             runs: dict[str, list[float]] = {head: [], sha: []}
             for r in range(args.repeats):
-                for name, tree in ((head, HERE), (sha, other)):
+                for name, tree in rotated([(head, HERE), (sha, other)], r):
                     runs[name].append(run_tree(tree, args.kind, args.prompts, args.n) if args.bench == "throughput"
                                       else run_server_tree(tree, seed=r))
                     print(f"repeat {r}: {name} {runs[name][-1]:.0f} tok/s", flush=True)

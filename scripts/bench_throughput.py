@@ -1,7 +1,8 @@
 """Throughput benchmark on an RL-shaped workload (prints a table; --json writes the numbers).
 
 Workload: P prompts of 32-256 tokens, n samples each, per-request max_new_tokens spread over
-16-256, ignore_eos. Measured side by side in one run, each in a fresh process, interleaved:
+16-256, ignore_eos. Measured side by side in one run, each in a fresh process, interleaved (the
+order rotated by one kind each repeat):
   engine (capture off) | engine (capture on, return_routed_experts) | transformers generate
   (one batch of all requests to the largest max_new_tokens, truncated)
   | engine with a busy torch loop in a thread of the caller, against the quiet engine: with the
@@ -46,6 +47,14 @@ def workload(num_prompts: int, n: int, vocab: int, seed: int = 0):
     for _ in range(num_prompts):
         params.append([rng.randint(16, 256) for _ in range(n)])
     return prompts, params
+
+
+def rotated(kinds: list, repeat: int) -> list:
+    """kinds in the order of repeat number `repeat`: rotated by it, so that over the repeats every
+    kind runs in every position (2026-12-04: the first run of each repeat, right after the previous
+    repeat's transformers process exited, ran ~5% slower than the same engine run second)."""
+    k = repeat % len(kinds)
+    return kinds[k:] + kinds[:k]
 
 
 def run_engine(engine: Rollout, prompts, max_news, capture: bool) -> tuple[float, int]:
@@ -150,8 +159,8 @@ def busy_torch_loop(stop: threading.Event) -> None:
 
 def compare_inproc(args, total: int, res: dict) -> None:
     runs: dict[str, list[float]] = {"engine": [], "engine_inproc": []}
-    for _ in range(args.repeats):
-        for kind, times in runs.items():
+    for r in range(args.repeats):
+        for kind, times in rotated(list(runs.items()), r):
             dt, tokens = in_fresh_process(kind, args.model_path, args.prompts, args.n)
             assert tokens == total, (kind, tokens, total)
             times.append(dt)
@@ -244,8 +253,8 @@ def compare_overlap(args, total: int, res: dict) -> None:
     alternating."""
     runs: dict[str, list[float]] = {"engine": [], "engine_overlap": []}
     steps: dict[bool, list[dict]] = {False: [], True: []}
-    for _ in range(args.repeats):
-        for kind, times in runs.items():
+    for r in range(args.repeats):
+        for kind, times in rotated(list(runs.items()), r):
             dt, tokens = in_fresh_process(kind, args.model_path, args.prompts, args.n)
             assert tokens == total, (kind, tokens, total)
             times.append(dt)
@@ -308,8 +317,8 @@ def main(argv=None) -> None:
              ("engine_spare", t_spare), ("engine_spare_busy_caller", t_spare_busy)]
     kinds += [("engine_pinned", t_pinned), ("engine_pinned_busy_caller", t_pinned_busy)] if split_cpus()[1] else []
     kinds += [] if args.skip_hf else [("hf", t_hf)]
-    for _ in range(args.repeats):
-        for kind, times in kinds:
+    for r in range(args.repeats):
+        for kind, times in rotated(kinds, r):
             dt, tokens = in_fresh_process(kind, args.model_path, args.prompts, args.n)
             if kind == "hf":
                 useful = tokens
