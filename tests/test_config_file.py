@@ -150,6 +150,9 @@ ENGINE_FLAGS_BEFORE = {
     "--context-length": (None, None, int, None),
     "--disable-prefix-caching": (False, 0, None, None),
     "--decode-graph-batch-sizes": ([], "*", int, None),
+    "--cuda-graph-max-bs": (None, None, int, None),
+    "--disable-cuda-graph-padding": (False, 0, None, None),
+    "--disable-cuda-graph": (False, 0, None, None),
     "--prefill-graph-token-sizes": ([], "*", int, None),
     "--enable-torch-compile": (False, 0, None, None),
     "--torch-compile-max-bs": (32, None, int, None),
@@ -176,7 +179,7 @@ ENGINE_FLAGS_BEFORE = {
 }
 # SGLang's spellings of the same settings
 ENGINE_ALIASES = {"--disable-prefix-caching": ["--disable-radix-cache"], "--dp-size": ["--data-parallel-size"],
-                  "--seed": ["--random-seed"]}
+                  "--seed": ["--random-seed"], "--decode-graph-batch-sizes": ["--cuda-graph-bs"]}
 CLI_OFF: set[str] = set()   # fields without a rollout-serve flag (no_flag)
 # SGLang's switches the other way, accepted and left out of --help (Flag.off_aliases)
 ENGINE_HIDDEN = {"--disable-overlap-schedule"}

@@ -143,9 +143,9 @@ class MoeCausalLM(nn.Module):
 
     # The parts of forward, for runners that run it piecewise (see runners/piecewise_backend.py).
     def embed(self, fb: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """-> hidden states [N, hidden] and RoPE cos, sin [N, 1, spec.rotary_dim]."""
+        """-> hidden states [N, hidden] and RoPE cos, sin [N, 1, spec.rotary_dim] (RotaryEmbedding.rotation)."""
         x = self.model.embed_tokens(fb.input_ids)                           # [N, hidden]
-        cos, sin = self.rotary.cos_sin(fb.positions, x.dtype)               # [N, 1, D] x2
+        cos, sin = self.rotary.rotation(fb.positions, x.dtype)              # [N, 1, D] x2
         return x, cos, sin
 
     def attention_masks(self, fb: ForwardBatch) -> list[torch.Tensor | None]:

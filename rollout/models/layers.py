@@ -40,8 +40,18 @@ class RotaryEmbedding(nn.Module):
         self.scaling = scaling
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [N] -> cos, sin [N, 1, head_dim] in dtype (fp32 math, like HF), sin with its
-        first half negated: rotate-half's sign, folded in once per step for apply."""
+        """positions [N] -> cos, sin [N, 1, head_dim] in dtype (fp32 math, like HF)."""
+        c, s = self._half_cos_sin(positions)
+        return torch.cat((c, c), dim=-1)[:, None, :].to(dtype), torch.cat((s, s), dim=-1)[:, None, :].to(dtype)
+
+    def rotation(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin as apply takes them: cos_sin's, with sin's first half negated (rotate-half's
+        sign, folded in once per step rather than in every apply)."""
+        c, s = self._half_cos_sin(positions)
+        return torch.cat((c, c), dim=-1)[:, None, :].to(dtype), torch.cat((-s, s), dim=-1)[:, None, :].to(dtype)
+
+    def _half_cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [N, head_dim / 2] (fp32; YaRN's attention factor applied)."""
         d = self.head_dim
         if self.scaling is None:
             inv_freq = 1.0 / (self.theta ** (torch.arange(0, d, 2, dtype=torch.float, device=positions.device) / d))
@@ -49,17 +59,16 @@ class RotaryEmbedding(nn.Module):
             inv_freq = self.scaling.inv_freq(d, self.theta, positions.device)
         freqs = positions[:, None].float() * inv_freq[None, :]           # [N, d/2]
         c, s = freqs.cos(), freqs.sin()
-        if self.scaling is not None:
-            factor = self.scaling.attention_factor
-            c, s = c * factor, s * factor
-        return (torch.cat((c, c), dim=-1)[:, None, :].to(dtype),          # [N, 1, d]
-                torch.cat((-s, s), dim=-1)[:, None, :].to(dtype))
+        if self.scaling is None:
+            return c, s
+        factor = self.scaling.attention_factor
+        return c * factor, s * factor
 
     @staticmethod
     def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x [N, heads, head_dim]; only the first cos.shape[-1] dims rotate (partial rotary). sin
-        as cos_sin makes it: x * cos + (x's halves swapped) * sin is HF's x * cos +
-        rotate_half(x) * sin, bit for bit (negating is exact, and so is a product's sign)."""
+        """x [N, heads, head_dim]; only the first cos.shape[-1] dims rotate (partial rotary). cos and
+        sin from rotation(): x * cos + (x's halves swapped) * sin is HF's x * cos + rotate_half(x) *
+        sin with cos_sin's values, bit for bit (negating is exact, and so is a product's sign)."""
         rot = cos.shape[-1]
         if rot < x.shape[-1]:
             return torch.cat((RotaryEmbedding.apply(x[..., :rot], cos, sin), x[..., rot:]), dim=-1)

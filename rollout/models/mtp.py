@@ -57,7 +57,7 @@ class MultiTokenPredictor(nn.Module):
         owner = self._owner[0]
         e = owner.model.embed_tokens(fb.input_ids)
         x = self.eh_proj(torch.cat((self.enorm(e), self.hnorm(hidden.to(e.dtype))), dim=-1))
-        cos, sin = self.rotary.cos_sin(fb.positions, x.dtype)
+        cos, sin = self.rotary.rotation(fb.positions, x.dtype)
         return self.shared_head.norm(self.block(x, cos, sin, fb))
 
     def logits(self, normed: torch.Tensor) -> torch.Tensor:
