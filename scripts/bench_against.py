@@ -24,7 +24,7 @@ same background load; it prints the medians and the per-repeat ratios, and --jso
   .venv/bin/python scripts/bench_against.py --commit HEAD --outputs --workloads python python_chunked \
       --engine-kw '{"enable_overlap_schedule": true}'
   .venv/bin/python scripts/bench_against.py --commit HEAD --outputs --workloads python python_chunked \
-      --engine-kw '{"enable_torch_compile": true, "enable_overlap_schedule": true}' --float-tol 1e-5
+      --engine-kw '{"enable_torch_compile": true, "enable_overlap_schedule": true}' --float-tol 1e-4
 """
 from __future__ import annotations
 
@@ -79,8 +79,13 @@ def seeded_outputs(tree: str, out: str, workloads: list[str], engine_kw: str = "
 
 
 def _hex_float(value) -> float | None:
-    """A float that seeded_outputs wrote as its exact hex (None for anything else)."""
-    return float.fromhex(value) if isinstance(value, str) and "0x" in value else None
+    """A float that seeded_outputs wrote as its exact hex (None for anything else, text included)."""
+    if not isinstance(value, str) or not value.lstrip("-").startswith("0x"):
+        return None
+    try:
+        return float.fromhex(value)
+    except ValueError:
+        return None
 
 
 def differences(a, b, path: str = "", tol: float = 0.0, worst: list | None = None) -> list[str]:
@@ -139,7 +144,7 @@ def main(argv=None) -> None:
                          "--engine-kw '{\"enable_overlap_schedule\": true}': this code with and without them)")
     ap.add_argument("--float-tol", type=float, default=0.0,
                     help="--outputs: floats (logprobs) may differ by up to this much, everything else must be "
-                         "identical (torch.compile, which is not bitwise: 1e-5)")
+                         "identical (torch.compile, which is not bitwise: 1e-4)")
     ap.add_argument("--kind", default="engine", help="bench_throughput worker kind (default: engine, capture off)")
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--n", type=int, default=8)

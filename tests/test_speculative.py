@@ -439,6 +439,7 @@ def test_nextn_through_a_real_server_is_the_plain_server(tiny_checkpoint, tmp_pa
             with c.stream("POST", "/generate", json={**payloads[0], "stream": True,
                                                      "incremental_streaming_output": True}) as r:
                 streamed[name] = [t for ch in sse_events(r) for t in ch["output_ids"]]
+
     def same(meta: dict) -> dict:   # NOTE: timing, and which sample's prompt was cached first
         return {k: v for k, v in meta.items() if not k.startswith("spec_") and k not in ("e2e_latency", "id",
                                                                                            "cached_tokens")}
