@@ -260,8 +260,8 @@ class FusedExperts(nn.Module):
         # NOTE: row i of the sorted rows (expert e, its j-th row) goes to slot (e's index among the
         # experts run) * cap + j = i + offset[e], offset[e] = index * cap - (rows before e): host ints
         offset, start = [0] * num, 0
-        for index, e in enumerate(active if gather else range(num)):
-            offset[e] = index * cap - start
+        for i, e in enumerate(active):
+            offset[e] = (i if gather else e) * cap - start
             start += counts_host[e]
         num = len(active) if gather else num
         slot = torch.arange(rows, device=x.device) + torch.tensor(offset, device=x.device).index_select(0, sorted_group)
