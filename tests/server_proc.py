@@ -10,6 +10,7 @@ from typing import Optional, Sequence
 
 import httpx
 
+from rollout.ipc.transport import pid_alive  # noqa: F401  (the tests' one check of a pid)
 from trainer_bridge.launch import LocalServer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -140,19 +141,6 @@ def sse_events(response: httpx.Response):
         if data == "[DONE]":
             return
         yield json.loads(data)
-
-
-def pid_alive(pid: int) -> bool:
-    """Whether a process with this pid runs (a zombie, exited but not reaped, is dead)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:   # NOTE: reaped between the two looks
-        return False
 
 
 def free_port() -> int:

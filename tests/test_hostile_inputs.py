@@ -72,6 +72,22 @@ def test_stale_temp_dirs_of_exited_processes_are_removed(tmp_path):
     other[1].mkdir()
     assert remove_stale_dirs(str(tmp_path)) == 2
     assert not any(d.exists() for d in stale) and all(d.exists() for d in live + other)
+    # an exited process nobody has reaped yet (a zombie: an orphan under an init that does not reap)
+    zombie = subprocess.Popen([sys.executable, "-c", "pass"])
+    try:
+        deadline = time.monotonic() + 30
+        while _state(zombie.pid) != "Z" and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert _state(zombie.pid) == "Z"
+        (tmp_path / f"rollout-weights-{zombie.pid}-z1").mkdir()
+        assert remove_stale_dirs(str(tmp_path)) == 1 and all(d.exists() for d in live + other)
+    finally:
+        zombie.wait()
+
+
+def _state(pid):
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]
 
 
 def test_server_flags_are_checked():

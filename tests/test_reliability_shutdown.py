@@ -19,7 +19,7 @@ from health_prober import HealthProber
 from reliability_server import PROBE_GAP_S
 from oracle import hf_router_topk, same_sets
 from rollout.config import DEFAULT_MODEL_PATH
-from server_proc import ServerProcess, wait_idle
+from server_proc import ServerProcess, pid_alive, wait_idle
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 ADMIN = "shutdown-admin"
@@ -142,9 +142,13 @@ def test_kill9_leaves_nothing_a_restart_does_not_clean(tmp_path):
     try:
         assert httpx.post(srv.url + "/release_memory_occupation", json={}, headers=HEADERS,
                           timeout=60).status_code == 200
+        engines = [p.pid for p in psutil.Process(srv._server.proc.pid).children(recursive=True)]
         srv._server.kill()
     finally:
         srv.stop()
+    deadline = time.monotonic() + 30          # NOTE: a restart follows the crash: the engines' exit is done
+    while any(pid_alive(p) for p in engines) and time.monotonic() < deadline:
+        time.sleep(0.05)
     left = [n for n in _left(tmp_path) if n.startswith("rollout-")]
     assert any(n.startswith("rollout-weights-") for n in left) and len(left) == 2, left
     # ... until the next server starts; SIGTERM then leaves nothing, also while its weights are released

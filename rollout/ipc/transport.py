@@ -24,14 +24,22 @@ from rollout.ipc.messages import Codec, FromEngine, ToEngine
 
 
 def pid_alive(pid: int) -> bool:
-    """Whether process pid still runs (an engine's check on its front end; stale socket directories)."""
+    """Whether process pid still runs (an engine's check on its front end; stale temporary
+    directories). A zombie (exited, not yet reaped: an orphan in a container whose init does not
+    reap) is dead."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except FileNotFoundError:   # NOTE: reaped between the two looks
+        return False
+    except OSError:             # NOTE: no procfs: os.kill's answer stands
+        return True
 
 
 HEARTBEAT_IVL_MS = 1000
