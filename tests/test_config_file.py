@@ -161,6 +161,7 @@ ENGINE_FLAGS_BEFORE = {
     "--seed": (0, None, int, None),
     "--weight-version": ("default", None, None, None),
     "--stream-interval": (1, None, int, None),
+    "--schedule-policy": ("fcfs", None, None, ("fcfs", "lpm", "lof", "random")),
     "--max-capture-buffer-rows": (None, None, int, None),
     "--enable-profile-graph-capture": (False, 0, None, None),
     "--profile-graph-capture-dir": (None, None, None, None),

@@ -74,10 +74,12 @@ def test_sglang_flags_that_mean_the_same_are_accepted():
     args = ServerArgs.from_cli(["--tp-size", "1", "--tensor-parallel-size", "1", "--pp-size", "1",
                                 "--data-parallel-size", "2", "--ep", "2", "--enable-dp-attention", "--trust-remote-code",
                                 "--skip-server-warmup", "--kv-cache-dtype", "auto", "--disable-radix-cache",
-                                "--mem-fraction-static", "0.8", "--random-seed", "3"])
+                                "--mem-fraction-static", "0.8", "--random-seed", "3", "--schedule-policy", "lpm",
+                                "--num-continuous-decode-steps", "4"])
     e = args.engine
     assert (e.dp_size, e.enable_prefix_caching, e.mem_fraction_static, e.seed) == (2, False, 0.8, 3)
-    assert args.engine == EngineConfig(dp_size=2, enable_prefix_caching=False, mem_fraction_static=0.8, seed=3)
+    assert args.engine == EngineConfig(dp_size=2, enable_prefix_caching=False, mem_fraction_static=0.8, seed=3,
+                                       schedule_policy="lpm")
 
 
 def test_sglang_cuda_graph_flags_choose_the_decode_buckets():
@@ -117,6 +119,8 @@ def test_sglang_cuda_graph_flags_choose_the_decode_buckets():
                                             "small draft checkpoint"),
     (["--speculative-algorithm", "NGRAM", "--speculative-eagle-topk", "4"],
      "speculative_eagle_topk must be 1 (chain drafts; tree drafts are not supported), got 4"),
+    (["--num-continuous-decode-steps", "0"], "--num-continuous-decode-steps 0: must be at least 1"),
+    (["--schedule-policy", "dfs-weight"], "argument --schedule-policy: invalid choice: 'dfs-weight'"),
     (["--enable-lora"], "--enable-lora: LoRA adapters are not supported; merge the adapter into the checkpoint"),
     (["--lora-paths", "a", "b"], "--lora-paths a b: LoRA adapters are not supported"),
     (["--mem-fraction-static", "0.9", "--kv-cache-bytes", "1000000"],

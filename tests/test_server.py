@@ -534,7 +534,8 @@ def test_server_args_cli():
         "nnodes", "node_rank", "dist_init_addr", "dist_timeout", "speculative_algorithm",
         "speculative_num_draft_tokens", "speculative_num_steps", "speculative_eagle_topk",
         "speculative_draft_model_path", "speculative_ngram_min_match_window_size",
-        "speculative_ngram_max_match_window_size", "enable_torch_compile", "torch_compile_max_bs", "enable_overlap_schedule"}
+        "speculative_ngram_max_match_window_size", "enable_torch_compile", "torch_compile_max_bs", "enable_overlap_schedule",
+            "schedule_policy"}
     assert flat["disable_prefix_caching"] is True and flat["chunked_prefill_size"] is None
     assert flat["decode_graph_batch_sizes"] == (1, 4) and flat["model_path"] == DEFAULT_MODEL_PATH
     for argv in (["--port", "70000"], ["--dp-size", "0"], ["--max-request-bytes", "10"], ["--api-key", ""]):

@@ -20,6 +20,10 @@ from rollout.value_range import check_choice, check_host_port, check_range
 _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEFAULT_MODEL_PATH = os.path.join(_REPO, "configs", "tiny-moe")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+# SGLang's --schedule-policy names this engine runs (rollout/core/schedule_policy.py); SGLang's
+# dfs-weight, priority and routing-key are not among them
+SCHEDULE_POLICIES = ("fcfs", "lpm", "lof", "random")
+UNSUPPORTED_SCHEDULE_POLICIES = "SGLang's dfs-weight, priority and routing-key are not supported"
 
 
 MAX_BUCKET_BYTES = 2**40
@@ -192,6 +196,11 @@ class EngineConfig:
     # streaming: tokens per chunk unless a request sets it
     stream_interval: int = field(default=1, metadata=flag(
         type=int, help="streaming: tokens per chunk unless a request sets sampling_params.stream_interval"))
+    # the order of admission (rollout/core/schedule_policy.py), SGLang's flag and names
+    schedule_policy: str = field(default="fcfs", metadata=flag(
+        choices=SCHEDULE_POLICIES,
+        help="the order in which waiting requests are admitted: fcfs (arrival), lpm (longest cached prefix "
+             "first; fcfs beyond 128 waiting), lof (largest max_new_tokens first), random (seeded by --seed)"))
     # router + experts: "torch" | "triton"; None = by device
     moe_backend: Optional[str] = field(default=None, metadata=flag(
         choices=MOE_BACKENDS, help="router and experts kernels", default_text="triton on CUDA, torch on CPU"))
@@ -268,6 +277,7 @@ class EngineConfig:
                              f"got {self.profile_graph_capture_dir!r}")
         check_range("seed", self.seed, 0, integer=True)
         check_range("stream_interval", self.stream_interval, 1, integer=True)
+        check_choice("schedule_policy", self.schedule_policy, SCHEDULE_POLICIES, why=UNSUPPORTED_SCHEDULE_POLICIES)
         check_range("weight_update_bucket_bytes", self.weight_update_bucket_bytes, 1, MAX_BUCKET_BYTES, integer=True)
         for name in ("enable_prefix_caching", "enable_return_routed_experts", "enable_profile_graph_capture",
                      "enable_deterministic_inference", "allow_auto_truncate", "enable_torch_compile",

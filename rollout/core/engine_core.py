@@ -29,6 +29,7 @@ from rollout.core.kv_budget import KVBudget
 from rollout.core.output_processor import OutputProcessor
 from rollout.core.radix_cache import RadixCache
 from rollout.core.request import Req, ReqStatus
+from rollout.core.schedule_policy import SchedulePolicy
 from rollout.core.scheduler import Scheduler
 from rollout.exact import make_exact
 from rollout.exec.model_runner import ModelRunner, RunnerPlan
@@ -145,6 +146,7 @@ class EngineCore(ControlCalls):
                                    max_running_requests=cfg.max_running_requests,
                                    prefill_token_budget=self.prefill_token_budget,
                                    context_length=self.context_length,
+                                   policy=SchedulePolicy(cfg.schedule_policy, seed=cfg.seed),
                                    drafter=make_drafter(cfg, target=self.model, device=self.device,
                                                         num_slots=num_slots, context_length=self.context_length,
                                                         hidden=self.kv_pool.hidden,

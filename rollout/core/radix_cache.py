@@ -105,10 +105,24 @@ class RadixCache:
         """
         if not self.enabled:
             return torch.empty(0, dtype=torch.int64), self.root
-        tokens = _as_key(token_ids)
-        now = self._tick()
+        path, _ = self._path(_as_key(token_ids), touch=True)
+        # NOTE: always a fresh tensor (cat copies, in order), so the caller cannot write into
+        # the tree's values.
+        values = [node.value for node in path]
+        return (torch.cat(values) if values else torch.empty(0, dtype=torch.int64)), (path[-1] if path else self.root)
+
+    def match_len(self, token_ids: Sequence[int] | torch.Tensor) -> int:
+        """How many leading tokens of token_ids are cached (match_prefix's m), without touching the
+        tree: no split, no access time (a scheduling policy's look at the waiting requests)."""
+        return self._path(_as_key(token_ids), touch=False)[1] if self.enabled else 0
+
+    def _path(self, tokens: tuple[int, ...], *, touch: bool) -> tuple[list[_Node], int]:
+        """The nodes along tokens' longest cached prefix and its length. touch: the path's nodes are
+        accessed now, and a match ending mid-edge splits that edge so the last node ends at it;
+        else the path stops before that edge (the length counts it)."""
+        now = self._tick() if touch else 0
         node = self.root
-        values: list[torch.Tensor] = []
+        path: list[_Node] = []
         pos = 0
         while pos < len(tokens):
             child = node.children.get(tokens[pos])
@@ -116,14 +130,15 @@ class RadixCache:
                 break
             n = _common_len(tokens, pos, child.key)
             if n < len(child.key):
+                if not touch:
+                    return path, pos + n
                 child = self._split(child, n)
-            child.last_access = now
-            values.append(child.value)
+            if touch:
+                child.last_access = now
+            path.append(child)
             node = child
             pos += n
-        # NOTE: always a fresh tensor (cat copies, in order), so the caller cannot write into
-        # the tree's values.
-        return (torch.cat(values) if values else torch.empty(0, dtype=torch.int64)), node
+        return path, pos
 
     def insert(self, token_ids: Sequence[int] | torch.Tensor,
                slots: torch.Tensor | Sequence[int]) -> int:

@@ -17,6 +17,7 @@ import torch
 from rollout.batch.kv_pool import KVPool, ReqToTokenPool
 from rollout.core.radix_cache import RadixCache
 from rollout.core.request import Req, ReqStatus, WaitQueue
+from rollout.core.schedule_policy import SchedulePolicy
 from rollout.core.shared_prefixes import SharedPrefixes
 from rollout.batch.forward_batch import ScheduledBatch
 
@@ -27,9 +28,11 @@ MIN_SHARED_PREFIX = 8  # uncached tokens two new requests must share before one 
 class Scheduler:
     def __init__(self, *, kv_pool: KVPool, cache: RadixCache, max_running_requests: int,
                  prefill_token_budget: int, context_length: int,
-                 on_retract: Optional[Callable[[Req], None]] = None, drafter: Optional[Any] = None):
+                 on_retract: Optional[Callable[[Req], None]] = None, drafter: Optional[Any] = None,
+                 policy: Optional[SchedulePolicy] = None):
         """drafter: speculative decoding's proposer (rollout/core/drafter.py), whose drafts a decode
-        step feeds after each request's last token; None: plain decode steps."""
+        step feeds after each request's last token; None: plain decode steps. policy: the order in
+        which prefill steps admit waiting requests (default fcfs)."""
         self.kv_pool = kv_pool
         # NOTE: one row per admitted request; hold_admission lowers max_running_requests to 0
         # at times, never above this. On the KV pool's device (a batch's kv_indices are gathered
@@ -41,6 +44,7 @@ class Scheduler:
         self.prefill_token_budget = prefill_token_budget
         self.on_retract = on_retract
         self.drafter = drafter
+        self.policy = policy or SchedulePolicy()
         self.waiting = WaitQueue()
         self.running: list[Req] = []        # admitted: holding KV (prefilling or decoding)
         self._by_uid: dict[int, Req] = {}   # every queued or running request, by uid
@@ -216,7 +220,8 @@ class Scheduler:
         budget = self.prefill_token_budget
         reqs, ext, pre, locs, admitted = [], [], [], [], []
         # NOTE: the queue is read lazily (it may hold many thousands) and changed after the loop.
-        candidates = chain(chunked, self.waiting)
+        candidates = chain(chunked, self.policy.order(self.waiting, self.cache))
+        in_order = self.policy.in_queue_order
         running_count = len(self.running)
         shared = SharedPrefixes(MIN_SHARED_PREFIX) if self.cache.enabled else None
         if shared is not None and self._uncached is not None:
@@ -230,9 +235,12 @@ class Scheduler:
                 break
             is_new = req.status is ReqStatus.WAITING
             if is_new:
-                if running_count >= self.max_running_requests or (
-                        self.admit_limit is not None and req.queue_seq > self.admit_limit):
+                if running_count >= self.max_running_requests:
                     break
+                if self.admit_limit is not None and req.queue_seq > self.admit_limit:
+                    if in_order:
+                        break   # NOTE: in queue order every later request arrived later still
+                    continue
                 self._admit(req)
                 if shared is not None and shared.shares(req):
                     # NOTE: wait one step: the prefix computed by the earlier request is cached then,

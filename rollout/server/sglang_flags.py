@@ -83,6 +83,11 @@ SGLANG_FLAGS: tuple[SGLangFlag, ...] = (
     SGLangFlag(options=("--kv-cache-dtype",), type=str, accepts=lambda v, e: v == "auto",
                refusal="the KV cache holds the model's dtype; use --dtype",
                help="auto only: the KV cache holds the model's dtype (--dtype)", default_text="auto"),
+    # NOTE: SGLang's scheduler has not read it since its overlap scheduler replaced the loop that
+    # ran N decode steps between looks at the queue; launch scripts still pass it
+    SGLangFlag(options=("--num-continuous-decode-steps",), type=int, accepts=lambda v, e: v >= 1,
+               refusal="must be at least 1",
+               help="accepted, no effect (as in SGLang today): every decode step is scheduled", default_text="1"),
     SGLangFlag(options=("--enable-lora",), accepts=_never,
                refusal="LoRA adapters are not supported; merge the adapter into the checkpoint"),
     SGLangFlag(options=("--lora-paths",), type=str, nargs="*", accepts=_never,
