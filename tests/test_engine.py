@@ -36,17 +36,18 @@ def test_greedy_and_logprobs_match_transformers(tiny_checkpoint, arch):
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
-def test_large_experts_one_by_one_match_transformers(tiny_checkpoint, arch, monkeypatch):
-    """Experts run one by one over views of their weights (the CPU path for experts larger than
-    FusedExperts.EXPERT_CALL_BYTES, forced here for the tiny ones), and a lone decoding request
-    takes the one-token path: greedy ids and logprobs are still transformers'."""
+def test_large_experts_match_transformers(tiny_checkpoint, arch, monkeypatch):
+    """Large experts (the CPU paths for experts larger than half FusedExperts.EXPERT_CALL_BYTES,
+    forced here for the tiny ones): batches run torch's grouped GEMM over views of the weights, and
+    a lone decoding request runs its experts one by one: greedy ids and logprobs are still
+    transformers'."""
     from rollout.models.moe.experts import FusedExperts
 
-    calls = {"each": 0, "one": 0}
-    each, one = FusedExperts._each_expert, FusedExperts._one_token
+    calls = {"grouped": 0, "one": 0}
+    grouped, one = FusedExperts._forward_grouped, FusedExperts._one_token
     monkeypatch.setattr(FusedExperts, "EXPERT_CALL_BYTES", 1)
-    monkeypatch.setattr(FusedExperts, "_each_expert", lambda self, *a: calls.__setitem__("each", calls["each"] + 1)
-                        or each(self, *a))
+    monkeypatch.setattr(FusedExperts, "_forward_grouped", lambda self, *a: calls.__setitem__("grouped", calls["grouped"] + 1)
+                        or grouped(self, *a))
     monkeypatch.setattr(FusedExperts, "_one_token", lambda self, *a: calls.__setitem__("one", calls["one"] + 1)
                         or one(self, *a))
     path = tiny_checkpoint(arch)
@@ -55,7 +56,7 @@ def test_large_experts_one_by_one_match_transformers(tiny_checkpoint, arch, monk
         outs = engine.generate(input_ids=batch[:1], sampling_params=GREEDY, return_logprob=True)
         outs += engine.generate(input_ids=batch[1:], sampling_params=GREEDY, return_logprob=True)
         engine.check_integrity()
-    assert calls["each"] and calls["one"], calls
+    assert calls["grouped"] and calls["one"], calls
     for prompt, out in zip(batch, outs):
         assert out.output_ids == hf_greedy(path, prompt, 32)
         ref = hf_logprobs(path, prompt, out.output_ids)

@@ -211,6 +211,9 @@ def test_moe_expert_paths_agree(dtype, atol):
     assert FusedExperts.choose_impl(x, graph_safe=True, rows=22) == "grouped"          # CPU: torch has it
     assert FusedExperts.choose_impl(x, graph_safe=False, rows=22) == "padded"
     assert FusedExperts.choose_impl(x, graph_safe=False, rows=FusedExperts.PADDED_MAX_ROWS + 1) == "grouped"
+    # large experts: several tokens take the grouped GEMM, a lone token the padded path (one by one)
+    assert FusedExperts.choose_impl(x, graph_safe=False, rows=22, large=True) == "grouped"
+    assert FusedExperts.choose_impl(x[:1], graph_safe=False, rows=2, large=True) == "padded"
     for module, ranges in ((full, (None, (0, 3), (3, 6), (2, 2), (1, 5))), (shard, (None, (2, 4), (4, 5)))):
         for rng in ranges:
             ref = module(x, w, ids, experts=rng, impl="loop").float()
@@ -273,16 +276,18 @@ def test_small_batches_read_only_the_experts_routed_to(monkeypatch, fp8):
 
 
 @pytest.mark.parametrize("batch", [1, 3, 20])
-def test_large_experts_run_one_by_one_over_views(monkeypatch, batch):
-    """Where a gather would copy more bytes than a call per expert costs, the padded path runs each
-    routed expert on its own over a view of its weights: it reads exactly the experts routed to
-    (one at a time, or all held at once where every one is routed to), nothing gathered, and
-    equals the per-expert loop (also on a shard and a range)."""
+def test_large_experts_take_views_of_the_routed_experts(monkeypatch, batch):
+    """Experts larger than half a call's cost (FusedExperts.large): a lone token runs its routed
+    experts one by one over views of their weights (reading exactly those), several tokens run
+    torch's grouped GEMM over views of the held experts (each routed one read once, none padded);
+    nothing is gathered, and both equal the per-expert loop (also on a shard and a range)."""
     monkeypatch.setattr(FusedExperts, "EXPERT_CALL_BYTES", 1)
     full, shard = _full_and_shard(32, 16, 12, (4, 9), std=0.1)
     x, w = torch.randn(batch, 32), torch.rand(batch, 4)
     ids = torch.stack([torch.randperm(12 if batch < 20 else 8)[:4] for _ in range(batch)])
     for module, ranges in ((full, (None, (0, 6), (6, 12), (3, 3))), (shard, (None, (5, 7)))):
+        assert module.large
+        assert FusedExperts.choose_impl(x, False, ids.numel(), module.large) == ("padded" if batch == 1 else "grouped")
         read = []
         dense = module.dense
 
@@ -295,10 +300,11 @@ def test_large_experts_run_one_by_one_over_views(monkeypatch, batch):
             lo, hi = rng or (module.expert_lo, module.expert_hi)
             read.clear()
             with torch.no_grad():
-                got = module(x, w, ids, experts=rng, impl="padded")
-                want = sorted({e for e in ids.flatten().tolist() if lo <= e < hi})
-                got_read = sorted(e for name, first, num in read if name == "w13" for e in range(first, first + num))
-                assert got_read == want
+                got = module(x, w, ids, experts=rng)
+                if batch == 1 and lo < hi:
+                    want = sorted({e for e in ids.flatten().tolist() if lo <= e < hi})
+                    assert sorted(first for name, first, num in read if name == "w13") == want
+                    assert all(num == 1 for _, _, num in read)
                 assert torch.allclose(got, module(x, w, ids, experts=rng, impl="loop"), atol=1e-6), rng
 
 

@@ -167,35 +167,47 @@ class FusedExperts(nn.Module):
             raise ValueError(f"experts [{lo}, {hi}) are not all held here ([{self.expert_lo}, {self.expert_hi}))")
         if lo == hi:
             return torch.zeros_like(x)
-        impl = impl or ("exact" if self.exact else self.choose_impl(x, graph_safe, topk_ids.numel()))
+        impl = impl or ("exact" if self.exact else self.choose_impl(x, graph_safe, topk_ids.numel(), self.large))
         run = {"exact": self._forward_exact, "exact_triton": self._forward_exact_triton, "padded": self._forward_padded, "grouped": self._forward_grouped, "loop": self._forward_loop,
                "dense": self._forward_dense, "triton": self._forward_triton}[impl]
         return run(x, topk_weights, topk_ids, lo, hi)
 
     # NOTE: on CPU torch's grouped GEMM runs one matmul per expert; up to this many (token, expert)
-    # rows one batched matmul over experts padded to the busiest is faster (tiny Qwen3-MoE, 16
-    # experts, 2 cores: 1.5x faster at 128 tokens x top-4, 1.4x at 256 x 4, 1.9x slower at 384 x 4).
+    # rows one batched matmul over experts padded to the busiest is faster for small experts (tiny
+    # Qwen3-MoE, 16 experts, 2 cores: 1.5x faster at 128 tokens x top-4, 1.4x at 256 x 4, 1.9x slower
+    # at 384 x 4; grouped 1.1-1.4x slower than padded from 2 to 256 tokens).
     PADDED_MAX_ROWS = 1024
-    # NOTE: the padded path's cost of one more expert run on its own (a matmul pair over a view of
-    # its weights, ~8 torch calls: ~30 us on 2 cores), as the weight bytes streamed in that time
-    # (~25 GB/s). Where a gather (or reading unrouted experts) costs more bytes than that per routed
-    # expert, the experts run one by one (views: each routed expert read once): a batch-1 step of
-    # 3.4 MiB experts (hidden 768, 32 experts, top-4) 1.9x faster; the tiny model (48 KiB) unchanged.
+    # NOTE: the cost of one more expert run on its own (a matmul pair over a view of its weights, ~8
+    # torch calls: ~30 us on 2 cores), as the weight bytes streamed in that time (~25 GB/s). Experts
+    # above half of it are "large": a batch-1 step runs its top-k one by one over views (3.4 MiB
+    # experts: 1.9x faster than the padded gather), and more tokens run torch's grouped GEMM, which
+    # reads each routed expert once, pads nothing and loops in C++ (1.5 and 3.4 MiB experts, 2 to 256
+    # tokens: 0.67-0.92x the time of the padded path, which ran them one by one from Python or read
+    # every held expert; scripts/bench_scaling.py's MoE table).
     EXPERT_CALL_BYTES = 768 << 10
 
+    @property
+    def large(self) -> bool:
+        """Experts past half of EXPERT_CALL_BYTES, held unquantized (FP8 experts keep the padded
+        path, which dequantizes the routed experts only)."""
+        return self.fp8 is None and 2 * self.expert_bytes > self.EXPERT_CALL_BYTES
+
     @staticmethod
-    def choose_impl(x: torch.Tensor, graph_safe: bool, rows: int = 0) -> str:
-        """rows: (token, expert) pairs routed. "padded" (batched matmul over experts padded to the
-        busiest, or large experts one by one: EXPERT_CALL_BYTES; reads the counts on the host) for
-        few rows on CPU; "grouped" (torch's grouped
-        GEMM: two kernels for all experts, no host sync) where torch has it for x's device and
-        dtype (CPU; CUDA bf16 on SM80+); else the per-expert "loop" (reads the expert counts on
-        the host), or "dense" (every held expert over every row; no host sync) when graph_safe."""
-        if x.device.type == "cpu" and not graph_safe and rows <= FusedExperts.PADDED_MAX_ROWS:
+    def choose_impl(x: torch.Tensor, graph_safe: bool, rows: int = 0, large: bool = False) -> str:
+        """rows: (token, expert) pairs routed; large: FusedExperts.large. "padded" (batched matmul
+        over experts padded to the busiest; a lone token's large experts one by one; reads the
+        counts on the host) for few rows on CPU, except several tokens over large experts;
+        "grouped" (torch's grouped GEMM: two kernels for all experts, no host sync) where torch has
+        it for x's device and dtype (CPU; CUDA bf16 on SM80+); else the per-expert "loop" (reads
+        the expert counts on the host), or "dense" (every held expert over every row; no host
+        sync) when graph_safe."""
+        has_grouped = hasattr(F, "grouped_mm") and (x.device.type == "cpu" or (
+            x.device.type == "cuda" and x.dtype == torch.bfloat16
+            and torch.cuda.get_device_capability(x.device) >= (8, 0)))
+        if x.device.type == "cpu" and not graph_safe and rows <= FusedExperts.PADDED_MAX_ROWS and not (
+                large and x.shape[0] > 1 and has_grouped):
             return "padded"
-        if hasattr(F, "grouped_mm") and (x.device.type == "cpu" or (
-                x.device.type == "cuda" and x.dtype == torch.bfloat16
-                and torch.cuda.get_device_capability(x.device) >= (8, 0))):
+        if has_grouped:
             return "grouped"
         return "dense" if graph_safe else "loop"
 
@@ -226,7 +238,7 @@ class FusedExperts(nn.Module):
     def _forward_padded(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                         lo: int, hi: int) -> torch.Tensor:
         k = topk_ids.shape[1]
-        if x.shape[0] == 1 and self.fp8 is None and 2 * self.expert_bytes > self.EXPERT_CALL_BYTES:
+        if x.shape[0] == 1 and self.large:
             return self._one_token(x, topk_weights, topk_ids, lo, hi)
         num = hi - lo
         flat_ids = topk_ids.reshape(-1)                                    # [N*K]
@@ -245,11 +257,6 @@ class FusedExperts(nn.Module):
         token_of = order // k                                              # [rows] token row
         active = [e for e in range(num) if counts_host[e]]
         gather = 2 * len(active) <= num or self.fp8 is not None
-        if self.fp8 is None and (2 * len(active) if gather else num - len(active)) * self.expert_bytes \
-                > len(active) * self.EXPERT_CALL_BYTES:
-            # NOTE: the bytes a gather copies (or unrouted experts read) outweigh the per-expert calls
-            return self._each_expert(x, token_of, topk_weights.reshape(-1).index_select(0, order),
-                                     counts_host, lo)
         if gather:
             # NOTE: only the experts routed to: a small batch reads (and dequantizes) their weights,
             # not every held expert's
