@@ -77,3 +77,27 @@ def test_reference_over_cascade_matches_torch(heads, kv_heads):
     meta = meta_of(fb, groups)
     out = paged_reference_attention(q, fb.kv_pool.kv_buffers[0], meta, scale=layer.scale)
     torch.testing.assert_close(out, reference(layer, q, fb), atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("heads,kv_heads,extend", [(4, 2, [37]), (4, 4, [20, 20, 20]), (6, 2, [300])])
+def test_whole_prompts_take_sdpa_causal_with_the_masked_bits(monkeypatch, heads, kv_heads, extend):
+    """Prompts with no prefix and no padding (queries = keys): the torch path asks SDPA for its own
+    causal masking (is_causal: the blocks above the diagonal are skipped) instead of a mask, with the
+    same bits as the masked grid, and the reference over the metadata agrees."""
+    import torch.nn.functional as F
+
+    from rollout.models.attention import paged
+
+    layer, q, fb, _ = attention_case([0] * len(extend), extend, heads=heads, kv_heads=kv_heads, seed=7)
+    causal = []
+    sdpa = F.scaled_dot_product_attention
+    monkeypatch.setattr(paged.F, "scaled_dot_product_attention",
+                        lambda *a, **kw: causal.append(kw.get("is_causal", False)) or sdpa(*a, **kw))
+    got = reference(layer, q, fb)
+    assert causal == [True]
+    bsz, width = len(extend), extend[0]
+    masked = layer._grid(q, fb.kv_indices.reshape(-1), bsz, width, width, None,
+                         fb.grid_mask(0, bsz, width, width, keep=True), fb.kv_pool)
+    assert causal == [True, False] and torch.equal(got, masked)
+    out = paged_reference_attention(q, fb.kv_pool.kv_buffers[0], meta_of(fb), scale=layer.scale)
+    torch.testing.assert_close(out, got, atol=ATOL, rtol=0)
