@@ -181,9 +181,9 @@ class FusedExperts(nn.Module):
     # torch calls: ~30 us on 2 cores), as the weight bytes streamed in that time (~25 GB/s). Experts
     # above half of it are "large": a batch-1 step runs its top-k one by one over views (3.4 MiB
     # experts: 1.9x faster than the padded gather), and more tokens run torch's grouped GEMM, which
-    # reads each routed expert once, pads nothing and loops in C++ (1.5 and 3.4 MiB experts, 2 to 256
-    # tokens: 0.67-0.92x the time of the padded path, which ran them one by one from Python or read
-    # every held expert; scripts/bench_scaling.py's MoE table).
+    # reads each routed expert once, pads nothing and loops in C++ (against the padded path, which
+    # ran them one by one from Python or read every held expert: 3.4 MiB experts 0.67-0.92x the time
+    # from 2 to 256 tokens; 1.5 MiB 0.73-0.87x at 2 and 8 to 64 tokens, 0.96-1.09x at 4, 128, 256).
     EXPERT_CALL_BYTES = 768 << 10
 
     @property
