@@ -5,7 +5,7 @@ a policy only orders the scheduler's pass over it.
 - fcfs: queue order, read lazily (the queue may hold many thousands).
 - lpm: longest cached prefix first (the prefix cache's match of each prompt), ties in queue order;
   with more than LPM_MAX_WAITING waiting it is fcfs, as in SGLang (matching every prompt each
-  step would cost more than it saves).
+  step would cost more than it saves), and without a prefix cache (nothing to match).
 - lof: longest output first (max_new_tokens), ties in queue order.
 - random: a shuffle per step, from a generator seeded by the engine's seed (runs repeat).
 """
@@ -34,7 +34,7 @@ class SchedulePolicy:
 
     def order(self, waiting: WaitQueue, cache: RadixCache) -> Iterable[Req]:
         """The waiting requests in the order this step admits them."""
-        if self.name == "fcfs" or (self.name == "lpm" and len(waiting) > LPM_MAX_WAITING):
+        if self.name == "fcfs" or (self.name == "lpm" and (len(waiting) > LPM_MAX_WAITING or not cache.enabled)):
             return waiting
         reqs = list(waiting)
         if self.name == "lpm":

@@ -106,7 +106,7 @@ class PagedAttention(nn.Module):
         if extend > 1 and extend == seq and q_pad_index is None and self.sinks is None:
             # NOTE: every request's queries are all its keys (no prefix, no padding): the mask is the
             # causal one, which SDPA's is_causal applies without reading the blocks above the
-            # diagonal (the same bits as with the mask, half the work at 2,048 tokens)
+            # diagonal (on CPU the same bits as with the mask, half the work at 2,048 tokens)
             return self._sdpa(q, keys, values, bsz, extend, None, None)
         if bsz > 1 or q_pad_index is not None or extend * seq <= MASK_BLOCK_CELLS:
             return self._sdpa(q, keys, values, bsz, extend, q_pad_index, mask(extend, seq, 0, keep=True))

@@ -201,13 +201,12 @@ class FusedExperts(nn.Module):
         it for x's device and dtype (CPU; CUDA bf16 on SM80+); else the per-expert "loop" (reads
         the expert counts on the host), or "dense" (every held expert over every row; no host
         sync) when graph_safe."""
-        has_grouped = hasattr(F, "grouped_mm") and (x.device.type == "cpu" or (
-            x.device.type == "cuda" and x.dtype == torch.bfloat16
-            and torch.cuda.get_device_capability(x.device) >= (8, 0)))
         if x.device.type == "cpu" and not graph_safe and rows <= FusedExperts.PADDED_MAX_ROWS and not (
-                large and x.shape[0] > 1 and has_grouped):
+                large and x.shape[0] > 1):
             return "padded"
-        if has_grouped:
+        if hasattr(F, "grouped_mm") and (x.device.type == "cpu" or (
+                x.device.type == "cuda" and x.dtype == torch.bfloat16
+                and torch.cuda.get_device_capability(x.device) >= (8, 0))):
             return "grouped"
         return "dense" if graph_safe else "loop"
 
@@ -298,7 +297,8 @@ class FusedExperts(nn.Module):
     @property
     def expert_bytes(self) -> int:
         """Weight bytes of one expert (w13 and w2) as held."""
-        return (self.w13[0].numel() + self.w2[0].numel()) * self.w13.element_size()
+        w13, w2 = self.w13.shape, self.w2.shape   # NOTE: from the shapes: no tensor made (every forward asks)
+        return (w13[1] * w13[2] + w2[1] * w2[2]) * self.w13.element_size()
 
     def _expert(self, x: torch.Tensor, i: int, weight: torch.Tensor) -> torch.Tensor:
         """Held expert i over rows x [n, H], times their routing weights [n, 1] (float32)."""
