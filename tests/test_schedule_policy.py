@@ -3,9 +3,13 @@ requests (fcfs, lpm, lof, random), over a real scheduler and prefix cache; and a
 outputs do not depend on the policy (deterministic mode: bitwise)."""
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
 import pytest
 import torch
 
+from capture.codec import decode_routed_experts
 from rollout import Rollout
 from rollout.batch.kv_pool import KVPool
 from rollout.config import DEFAULT_MODEL_PATH, EngineConfig
@@ -15,6 +19,7 @@ from rollout.core.schedule_policy import LPM_MAX_WAITING, SchedulePolicy
 from rollout.core.scheduler import Scheduler
 from rollout.sampling_params import SamplingParams
 from rollout.server.args import ServerArgs
+from server_proc import ServerProcess
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -143,3 +148,39 @@ def test_outputs_do_not_depend_on_the_policy():
     # NOTE: the control: the orders do make other batches (the default kernels' logprobs move in
     # their last bits with the batch)
     assert [o[1] for o in results["lof", False]] != [o[1] for o in results["fcfs", False]]
+
+
+def test_lpm_through_rollout_serve_gives_each_sample_what_the_python_api_gives():
+    """slime's GRPO traffic: every sample of every prompt its own /generate (sampling_seed,
+    logprobs, routing), all sent at once to `rollout-serve --schedule-policy lpm` with 4 running
+    places, so the prefix-cache order decides who runs. Each sample's tokens, logprobs and
+    routing are bitwise the Python API's (fcfs), deterministic mode."""
+    prompts = [[11, 57, 203, 9, 88] * 8, [3, 4, 5] * 14, [400, 401] * 21, [77] * 30]
+    samples = [(p, {"temperature": 1.0, "max_new_tokens": 5 + 3 * (i % 4), "ignore_eos": True, "sampling_seed": i})
+               for i, p in enumerate(q for q in prompts for _ in range(4))]
+    common = {"max_running_requests": 4, "dtype": "float32", "enable_deterministic_inference": True,
+              "enable_return_routed_experts": True}
+    with Rollout(DEFAULT_MODEL_PATH, **common) as engine:
+        want = engine.generate(input_ids=[ids for ids, _ in samples], sampling_params=[sp for _, sp in samples],
+                               return_logprob=True, return_routed_experts=True)
+    flags = ["--model-path", DEFAULT_MODEL_PATH, "--schedule-policy", "lpm", "--max-running-requests", "4",
+             "--dtype", "float32", "--enable-deterministic-inference", "--enable-return-routed-experts"]
+    with ServerProcess(flags) as srv, httpx.Client(base_url=srv.url, timeout=300) as client:
+        assert client.get("/server_info").json()["schedule_policy"] == "lpm"
+        info = client.get("/model_info").json()
+
+        def one(sample):
+            ids, sp = sample
+            r = client.post("/generate", json={"input_ids": ids, "sampling_params": sp, "return_logprob": True,
+                                               "return_routed_experts": True})
+            assert r.status_code == 200, r.text
+            return r.json()["meta_info"]
+
+        with ThreadPoolExecutor(len(samples)) as pool:
+            got = list(pool.map(one, samples))
+    for meta, out in zip(got, want):
+        assert [t for _, t, _ in meta["output_token_logprobs"]] == out.output_ids
+        assert [lp for lp, _, _ in meta["output_token_logprobs"]] == out.output_logprobs
+        routing = decode_routed_experts(meta["routed_experts"], "int32", num_layers=info["num_hidden_layers"],
+                                        top_k=info["num_experts_per_tok"])
+        assert torch.equal(routing, out.routed_experts.to(torch.int32))

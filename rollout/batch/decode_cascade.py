@@ -129,10 +129,8 @@ class DecodeCascade:
         # suffix: every request's own keys (all of them for requests in no group)
         o2, l2 = flash(q.view(bsz, kvh, gq, d), *keys_values(self.suffix_slots, bsz),
                        attn_mask=self.suffix_bias, scale=scale)                  # [B, kvH, G, D]
-        # merge the two softmaxes of each member by their log-sum-exps (fp32)
-        l1, l2m = l1.index_select(0, self.dest), l2.index_select(0, self.member_rows)
-        top = torch.maximum(l1, l2m)
-        w1, w2 = torch.exp(l1 - top)[..., None], torch.exp(l2m - top)[..., None]
-        merged = (o1.index_select(0, self.dest).float() * w1
-                  + o2.index_select(0, self.member_rows).float() * w2) / (w1 + w2)
+        # merge the two softmaxes of each member by their log-sum-exps (fp32): the prefix part's
+        # share of the whole softmax is exp(l1) / (exp(l1) + exp(l2)) = sigmoid(l1 - l2)
+        share = torch.sigmoid(l1.index_select(0, self.dest) - l2.index_select(0, self.member_rows))[..., None]
+        merged = torch.lerp(o2.index_select(0, self.member_rows).float(), o1.index_select(0, self.dest).float(), share)
         return o2.index_copy(0, self.member_rows, merged.to(o2.dtype)).reshape(bsz, h * d)
