@@ -91,6 +91,75 @@ def test_grpo_group_decode_matches_transformers(tiny_checkpoint, arch, monkeypat
             assert torch.allclose(torch.tensor(out.output_logprobs), ref, atol=1e-4, rtol=0)
 
 
+def _grpo_steps(path, monkeypatch, originals, *, reuse: bool, keep_bytes=None) -> tuple[list, dict]:
+    """A GRPO batch decoded by EngineCore's own loop (samples of varied lengths, so groups shrink
+    while others keep decoding; a second group admitted mid-run, so a prefill comes between decode
+    steps) -> every request's (ids, logprobs, routing) and how often the cascade prefix carried over."""
+    from rollout.batch.decode_cascade import CascadePrefix
+    from rollout.config import EngineConfig
+    from rollout.core.engine_core import EngineCore
+    from rollout.core.request import Req
+
+    counts = {"carried": 0, "kept_layers": 0}
+    fits, keys_values = originals
+    monkeypatch.setattr(CascadePrefix, "fits", lambda self, *a: reuse and fits(self, *a)
+                        and not counts.__setitem__("carried", counts["carried"] + 1))
+    monkeypatch.setattr(CascadePrefix, "keys_values", lambda self, buf, g: (
+        counts.__setitem__("kept_layers", counts["kept_layers"] + (buf.data_ptr() in self.kv))
+        or keys_values(self, buf, g)))
+    if keep_bytes is not None:
+        monkeypatch.setattr(CascadePrefix, "KEEP_BYTES", keep_bytes)
+    core = EngineCore(EngineConfig(model_path=path, dtype="float32", enable_return_routed_experts=True))
+    reqs = []
+
+    def add(prompt, n, first_uid):
+        for k in range(n):
+            req = Req(uid=first_uid + k, rid=str(first_uid + k), prompt_ids=list(prompt), seed=first_uid + k,
+                      params=SamplingParams(temperature=1.0, max_new_tokens=6 + 5 * k, ignore_eos=True),
+                      return_logprob=True, return_routed_experts=True, max_total_len=core.context_length)
+            reqs.append(req)
+            core.add_request(req)
+
+    routing: dict[int, bytes] = {}
+
+    def step():
+        core.step()
+        for upd in core.take_updates():
+            routing[upd.uid] = routing.get(upd.uid, b"") + (upd.routing or b"")
+
+    first, second = prompts(5, [320, 300])
+    add(first, 8, 0)
+    for i in range(40):
+        if i == 12:
+            add(second, 8, 100)
+        step()
+    while core.has_work():
+        step()
+    core.check_integrity()
+    core.close()
+    return [(r.output_ids, r.output_logprobs, routing[r.uid]) for r in reqs], counts
+
+
+def test_cascade_prefix_carried_between_decode_steps_changes_no_bit(monkeypatch):
+    """The prefix half of the decode cascade (its grids and each layer's gathered prefix KV)
+    carries over to the next decode step when the groups are the same rows over the same slots:
+    every token, logprob and routing row is bitwise the one building it anew each step gives, also
+    when only some layers' prefix KV fits the bound kept."""
+    from rollout.batch.decode_cascade import CascadePrefix
+    from rollout.config import DEFAULT_MODEL_PATH
+
+    originals = (CascadePrefix.fits, CascadePrefix.keys_values)
+    fresh, none = _grpo_steps(DEFAULT_MODEL_PATH, monkeypatch, originals, reuse=False)
+    assert none == {"carried": 0, "kept_layers": 0}
+    carried, counts = _grpo_steps(DEFAULT_MODEL_PATH, monkeypatch, originals, reuse=True)
+    assert counts["carried"] > 5 and counts["kept_layers"] >= 4 * counts["carried"], counts
+    assert carried == fresh
+    # NOTE: room for one layer's prefix KV: 2 groups x 320 keys x (K, V) x 2 kv heads x 32 x 4 bytes
+    partial, counts = _grpo_steps(DEFAULT_MODEL_PATH, monkeypatch, originals, reuse=True, keep_bytes=400_000)
+    assert 0 < counts["kept_layers"] < 4 * counts["carried"], counts
+    assert partial == fresh
+
+
 @pytest.fixture(scope="module")
 def qwen3(tiny_checkpoint):
     return tiny_checkpoint("qwen3_moe")
