@@ -110,6 +110,7 @@ def test_smoke_run_on_the_device_image_writes_every_row(device_venv, tmp_path):
               "engine (triton) / transformers", "fused MoE experts T=16 (float32): batch-invariant / default",
               "batch-invariant row 0 == row 0 alone", "decode attention B=4, context 64 (float32): batch-invariant",
               "batch-invariant request 0 == alone", "capture on / off (triton; 2 runs each, alternating)",
+              "overlap schedule on / off (triton, capture on; one run each)",
               "total: wall seconds"]
     for want in wanted:
         assert any(want in m for m in metrics), (want, metrics)

@@ -80,6 +80,25 @@ def test_default_mode_outputs_equal_the_sequential_loop(tiny_checkpoint):
         _same(a, b, bitwise=False)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_overlap_schedule_on_cuda_matches_the_sequential_loop(tiny_checkpoint):
+    """On a GPU, decode buckets as CUDA graphs (captured on the forward thread, replayed there
+    while the engine thread schedules and processes): the workload's tokens and routing rows are
+    the sequential loop's, logprobs within the default kernels' last bits, no KV left behind."""
+    path = tiny_checkpoint("qwen3_moe")
+    kw = dict(TIGHT, client="inproc", device="cuda", decode_graph_batch_sizes=(1, 2, 4, 8))
+    outs, left = {}, {}
+    for name, extra in (("sequential", {}), ("overlap", OVERLAP)):
+        with make_engine(path, **kw, **extra) as engine:
+            outs[name] = _overlap_workload(engine, 9)
+            left[name] = engine.debug(lambda core: (core.check_integrity(), core.flush_cache(), core.kv_pool.used(),
+                                                    core.runner.report()["decode_graph"]["uses_graphs"]))
+    for a, b in zip(outs["sequential"], outs["overlap"], strict=True):
+        _same(a, b, bitwise=False)
+    assert left == {"sequential": (True, True, 0, True), "overlap": (True, True, 0, True)}
+
+
 def test_forwards_run_on_the_forward_thread(tiny_checkpoint):
     """Every forward runs on the forward thread, and the engine thread keeps torch to one thread
     (no OpenMP pool of its own beside the forward thread's)."""
