@@ -217,8 +217,8 @@ def test_decode_cascade_matches_one_grid(tiny_checkpoint, arch, overrides):
                                 prefix_groups=tuple(groups) if cascade else ())
         assert (fb.cascade is not None) == cascade and not fb.segments
         if cascade:
-            assert fb.cascade.prefix.num_groups == 3 and fb.cascade.prefix.group_rows == samples
-            assert [(r.lo, r.hi) for r in fb.cascade.prefix.runs] == [(0, 2), (2, 3)]   # 100, 110 | 330
+            assert fb.cascade.num_groups == 3 and fb.cascade.group_rows == samples
+            assert [(r.lo, r.hi) for r in fb.cascade.prefix_runs] == [(0, 2), (2, 3)]   # 100, 110 | 330
         logits = model(fb)
         results[cascade] = forward_result(logits, pool, torch.cat(rows).unique(), fb.capture)
     assert_same_forward(results[True], results[False])

@@ -239,14 +239,13 @@ class ForwardBatch:
               extend_lens: list[int], kv_indices: torch.Tensor, kv_pool: KVPool,
               capture: Optional[Any] = None, device: torch.device | str = "cpu",
               segment_attention: bool = False, prefix_groups: Sequence = (),
-              logit_lens: Optional[Sequence[int]] = None, cascade_prefix: Optional[Any] = None) -> "ForwardBatch":
+              logit_lens: Optional[Sequence[int]] = None) -> "ForwardBatch":
         """kv_indices [B, >= max seq_len]: request b's KV slots by position (cells past its
         length are never read unmasked). segment_attention: attend in AttentionSegments (runs of
         requests of similar shape; the scheduler orders batches by shape), or a decode batch with
         prefix_groups (requests sharing the slots of a prefix) as a DecodeCascade. logit_lens:
         logits rows of the first len(logit_lens) requests' last new tokens (a verify step's); None:
-        one per request. cascade_prefix: the CascadePrefix of the forward just before, when it was
-        a cascade step (DecodeCascade.build reuses it when it fits)."""
+        one per request."""
         bsz = len(extend_lens)
         assert bsz == len(prefix_lens) and bsz > 0
         seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
@@ -276,7 +275,7 @@ class ForwardBatch:
         segments: tuple[AttentionSegment, ...] = ()
         cascade = None
         if segment_attention and max_ext == 1 and prefix_groups and DecodeCascade.available(dev):
-            cascade = DecodeCascade.build(prefix_groups, seq_lens, kv_indices, kv_pool.dtype, dev, cascade_prefix)
+            cascade = DecodeCascade.build(prefix_groups, seq_lens, kv_indices, kv_pool.dtype, dev)
         if segment_attention and cascade is None:
             segments = AttentionSegment.split(extend_lens, seq_lens, kv_indices, dev)
         # NOTE: the per-step vectors travel as one (pinned, non_blocking on CUDA) copy
@@ -298,7 +297,7 @@ class ForwardBatch:
     @staticmethod
     def from_scheduled(batch: Optional[ScheduledBatch], *, kv_pool: KVPool, device: torch.device,
                        capture: Optional[Any] = None, pad_to: int = 0, pad_chunk: int = 1,
-                       segment_attention: bool = False, cascade_prefix: Optional[Any] = None) -> ForwardBatch:
+                       segment_attention: bool = False) -> ForwardBatch:
         """batch: None for an idle rank -> the batch as a ForwardBatch, padded to pad_to tokens
         in total (0 = none).
 
@@ -353,8 +352,7 @@ class ForwardBatch:
                                   prefix_lens=prefix_lens, extend_lens=extend_lens, kv_indices=kv_indices,
                                   kv_pool=kv_pool, capture=capture, device=device, segment_attention=segment_attention,
                                   prefix_groups=batch.prefix_groups if real == len(extend_lens) else (),
-                                  logit_lens=batch.logit_lens if batch is not None else None,
-                                  cascade_prefix=cascade_prefix)
+                                  logit_lens=batch.logit_lens if batch is not None else None)
 
 
 @dataclass(frozen=True)

@@ -148,20 +148,14 @@ class EagerRunner:
         self.device = device
         self.capture_buffer = capture_buffer
         self.ep_group = ep_group
-        # the prefix half of the last forward's DecodeCascade, when that forward was a cascade
-        # step and the last forward of any runner (ModelRunner drops it at another runner's)
-        self.cascade_prefix: Optional[Any] = None
 
     def forward(self, batch: Optional[ScheduledBatch], counts: tuple[int, ...],
                 choice: Optional[RunnerChoice] = None, all_logits: bool = False) -> ForwardOutput:
         """batch: this rank's ScheduledBatch, or None (idle: an empty forward that joins the collectives).
         all_logits: also return every token's logits (token rows request-major, no padding)."""
         layout = GatherLayout.packed(self.name, counts)
-        previous, self.cascade_prefix = self.cascade_prefix, None
         fb = ForwardBatch.from_scheduled(batch, kv_pool=self.kv_pool, device=self.device,
-                                         capture=self.capture_buffer, segment_attention=True, cascade_prefix=previous)
-        if fb.cascade is not None:
-            self.cascade_prefix = fb.cascade.prefix
+                                         capture=self.capture_buffer, segment_attention=True)
         fb = dataclasses.replace(fb, layout=layout, ep_group=self.ep_group)
         if self.attention is not None:
             fb = self.attention.bind(fb, static=False)
@@ -280,8 +274,6 @@ class ModelRunner:
         choice = self.plan.choose(shapes)
         if choice is None:
             return None
-        if choice.runner != EAGER:
-            self.runners[EAGER].cascade_prefix = None   # NOTE: its KV writes end the prefix's reuse (decode_cascade.py)
         out = self.runners[choice.runner].forward(batch, counts, choice)
         assert out.layout.runner == choice.runner and out.layout.padded_extent == choice.extent, (out.layout, choice)
         self.counts[choice.runner] += 1
