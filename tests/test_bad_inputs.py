@@ -25,7 +25,7 @@ def test_min_above_max():
         SamplingParams(min_new_tokens=5, max_new_tokens=2)
 
 
-@pytest.mark.parametrize("field,value", [("dtype", "int8"), ("max_running_requests", 0), ("chunked_prefill_size", -4),
+@pytest.mark.parametrize("field,value", [("dtype", "int8"), ("max_running_requests", 0), ("chunked_prefill_size", 2.5),
                                          ("device", "tpu"), ("dp_size", 0), ("max_total_tokens", 1),
                                          ("decode_graph_batch_sizes", [0]), ("enable_prefix_caching", "no"),
                                          ("stream_interval", 0)])

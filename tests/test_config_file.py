@@ -246,6 +246,11 @@ def test_flags_spellings():
     assert engine_flags(EngineConfig(enable_prefix_caching=False, chunked_prefill_size=None)) == [
         "--chunked-prefill-size", "-1", "--disable-prefix-caching"]
     assert ServerArgs.from_cli(["--chunked-prefill-size", "0"]).engine.chunked_prefill_size is None
+    # NOTE: the Python API as SGLang's Engine and as the flag: -1 (any value <= 0) means whole prompts
+    assert EngineConfig(chunked_prefill_size=-1) == EngineConfig(chunked_prefill_size=0) == \
+        EngineConfig(chunked_prefill_size=None)
+    with pytest.raises(ValueError, match=r"^chunked_prefill_size must be an integer >= 1 .* or None, -1 or 0"):
+        EngineConfig(chunked_prefill_size=True)
     assert engine_flags(EngineConfig(decode_graph_batch_sizes=[2, 1])) == ["--decode-graph-batch-sizes", "1", "2"]
 
 

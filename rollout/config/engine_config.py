@@ -76,7 +76,7 @@ class EngineConfig:
     device: str = field(default="cpu", metadata=flag(help="cpu or cuda[:N]"))
     max_running_requests: int = field(default=128, metadata=flag(
         type=int, help="requests an engine rank runs at once; the rest wait in its queue"))
-    # tokens per prefill forward; None = whole prompts
+    # tokens per prefill forward; None (or, as in SGLang, any value <= 0) = whole prompts
     chunked_prefill_size: Optional[int] = field(default=1024, metadata=flag(
         type=int, none_at_most=0, none_spelling="-1", help="tokens per prefill forward; -1 or 0 = whole prompts"))
     # KV slots; default from kv_cache_bytes or mem_fraction_static
@@ -243,7 +243,11 @@ class EngineConfig:
         if not isinstance(self.device, str) or self.device.split(":")[0] not in ("cpu", "cuda"):
             raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
         check_range("max_running_requests", self.max_running_requests, 1, integer=True)
-        check_range("chunked_prefill_size", self.chunked_prefill_size, 1, integer=True, or_none=True)
+        cps = self.chunked_prefill_size
+        if isinstance(cps, int) and not isinstance(cps, bool) and cps <= 0:
+            object.__setattr__(self, "chunked_prefill_size", None)   # NOTE: SGLang's -1 (any value <= 0): whole prompts
+        check_range("chunked_prefill_size", self.chunked_prefill_size, 1, integer=True, or_none=True,
+                    allowed="an integer >= 1 (tokens per prefill forward), or None, -1 or 0 (whole prompts)")
         check_range("max_total_tokens", self.max_total_tokens, 2, integer=True, or_none=True)
         check_range("kv_cache_bytes", self.kv_cache_bytes, 1, integer=True, or_none=True)
         check_range("mem_fraction_static", self.mem_fraction_static, 0, 1, lo_open=True, or_none=True)
