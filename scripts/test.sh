@@ -6,8 +6,8 @@
 #   bash scripts/test.sh --gpu      only the GPU tests (CUDA graphs, NCCL; needs a CUDA torch)
 #   bash scripts/test.sh --overlap  the engine, capture, DP and deterministic test files (not slow)
 #                                   with the overlap schedule and torch.compile on (decode buckets
-#                                   1, 2, 4 compiled where the test's engine can compile; inductor's
-#                                   on-disk cache carries the graphs from test to test)
+#                                   1, 2, 4 compiled where the test's engine can compile; the run's
+#                                   own inductor cache carries the graphs from test to test)
 # Extra arguments after these go to pytest.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -33,6 +33,15 @@ case "${1:-}" in
 esac
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 WANDB_MODE=offline TOKENIZERS_PARALLELISM=false
 export DS_ACCELERATOR=cpu DS_BUILD_OPS=0
+# NOTE: inductor's on-disk cache is this run's own (removed at exit): its keys do not hold all that a
+# kernel was compiled for (torch 2.13: a kernel cached under one CPU ISA, run under another set by ATEN_CPU_CAPABILITY,
+# returned garbage), so nothing an earlier run or another host sharing /tmp compiled is reused;
+# within the run it carries the graphs from test to test
+if [ -z "${TORCHINDUCTOR_CACHE_DIR:-}" ]; then
+  TORCHINDUCTOR_CACHE_DIR="$(mktemp -d -t rollout-inductor.XXXXXX)"
+  export TORCHINDUCTOR_CACHE_DIR
+  trap 'rm -rf "$TORCHINDUCTOR_CACHE_DIR"' EXIT
+fi
 ARGS=(-q -p no:cacheprovider --timeout=900)
 if [ -n "$MARK" ]; then ARGS+=(-m "$MARK"); fi
 set +e

@@ -107,8 +107,12 @@ def baseline(qwen3):
 
 def _same(a, b):
     assert [o.output_ids for o in a] == [o.output_ids for o in b]
-    for x, y in zip(a, b):
-        assert torch.allclose(torch.tensor(x.output_logprobs), torch.tensor(y.output_logprobs), atol=1e-4)
+    for i, (x, y) in enumerate(zip(a, b)):
+        got, want = torch.tensor(x.output_logprobs), torch.tensor(y.output_logprobs)
+        diff = (got - want).abs()
+        assert torch.allclose(got, want, atol=1e-4), (
+            f"request {i}: logprobs differ by up to {float(diff.max()):.2e} (token {int(diff.argmax())}; "
+            f"{int((diff > 1e-5).sum())} of {len(diff)} tokens above 1e-5)")
 
 
 @pytest.mark.parametrize("chunk", [1, 7, 32])
