@@ -33,10 +33,10 @@ case "${1:-}" in
 esac
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 WANDB_MODE=offline TOKENIZERS_PARALLELISM=false
 export DS_ACCELERATOR=cpu DS_BUILD_OPS=0
-# NOTE: inductor's on-disk cache is this run's own (removed at exit): its keys do not hold all that a
-# kernel was compiled for (torch 2.13: a kernel cached under one CPU ISA, run under another set by ATEN_CPU_CAPABILITY,
-# returned garbage), so nothing an earlier run or another host sharing /tmp compiled is reused;
-# within the run it carries the graphs from test to test
+# NOTE: inductor's on-disk cache is this run's own (removed at exit): its keys do not hold all that
+# a kernel was compiled for (torch 2.13: a kernel cached under one CPU ISA and run under another,
+# chosen by ATEN_CPU_CAPABILITY, returned garbage), so nothing an earlier run or another host
+# sharing /tmp compiled is reused; within the run it carries the graphs from test to test
 if [ -z "${TORCHINDUCTOR_CACHE_DIR:-}" ]; then
   TORCHINDUCTOR_CACHE_DIR="$(mktemp -d -t rollout-inductor.XXXXXX)"
   export TORCHINDUCTOR_CACHE_DIR
