@@ -108,3 +108,18 @@ def test_greedy_rows_beside_cut_rows_keep_their_untruncated_processed_logprobs()
     assert torch.equal(out.next_ids[[1, 3]], logits[[1, 3]].argmax(-1))
     assert torch.allclose(out.top_logprobs[[1, 3]], torch.topk(want, 3, -1).values)
     assert bool(torch.isfinite(out.top_logprobs[[0, 2]]).all())
+
+
+def test_noise_hashed_by_the_caller_draws_what_sample_hashes_itself():
+    """The engine hashes each row's noise before the forward (SamplePlan.noise): the same tokens
+    and logprobs as sample hashing it from the seeds and positions, greedy rows beside or not."""
+    torch.manual_seed(3)
+    logits = torch.randn(6, 3000)
+    seeds, positions = [7, 1, 2**62, 3, 4, 5], [9, 4, 1, 0, 33, 2]
+    for params in ([SamplingParams(temperature=0.7)] * 6,
+                   [SamplingParams(temperature=0.8, top_k=30), SamplingParams(temperature=0.0)] * 3):
+        want = sample(logits, params, seeds, positions, [[]] * 6, None, [0] * 6)
+        # NOTE: other seeds and positions: the noise given is what is drawn with
+        got = sample(logits, params, [0] * 6, [0] * 6, [[]] * 6, None, [0] * 6,
+                     noise=counter_uniform(seeds, positions))
+        assert torch.equal(got.next_ids, want.next_ids) and torch.equal(got.logprobs, want.logprobs)

@@ -19,7 +19,7 @@ from rollout.batch.host_device import to_device
 from rollout.core.drafter import pace
 from rollout.core.request import Req, ReqStatus
 from rollout.core.token_latency import Bucketed, TokenLatency
-from rollout.exec.sampler import sample
+from rollout.exec.sampler import counter_uniform, sample
 from rollout.generate_io import FinishReason
 from rollout.ipc.control_values import ACCEPT_BUCKETS
 from rollout.ipc.messages import ReqUpdate, floats, ints
@@ -38,6 +38,9 @@ class SamplePlan:
     pending: tuple[bool, ...]     # whether the request's last token was the running forward's sample then
     banned: Optional[list]        # per row, tokens min_new_tokens masks; None: none
     ends: tuple[int, ...] = ()    # requests completed at max_new_tokens: they end ("length") unsampled
+    # each row's uniform noise (counter_uniform of its seed and position) [rows] float64 on the host,
+    # hashed before the forward; None when every row is greedy
+    noise: Optional[torch.Tensor] = None
 
 
 class OutputProcessor:
@@ -91,8 +94,12 @@ class OutputProcessor:
         banned = None
         if any(n + p < r.params.min_new_tokens for n, p, r in zip(known, pend, sampled)):
             banned = [self._banned_ids(r, n + p) for r, n, p in zip(sampled, known, pend)]
+        positions = tuple(batch.prefix_lens[i] + batch.extend_lens[i] for i in rows)
+        # NOTE: the noise is hashed here, before the forward: right after it (the forward's memory
+        # traffic evicts the host's caches) the same numpy calls took ~0.1 ms more on CPU
+        noise = None if all(r.params.is_greedy for r in sampled) else counter_uniform([r.seed for r in sampled], positions)
         return SamplePlan(rows=tuple(rows), reqs=sampled, known=known, pending=pend, banned=banned, ends=ends,
-                          positions=tuple(batch.prefix_lens[i] + batch.extend_lens[i] for i in rows))
+                          positions=positions, noise=noise)
 
     def draw(self, plan: SamplePlan, logits: torch.Tensor, last: dict[int, int]) -> list:
         """Samples the plan's rows of logits (the forward's) and reads the results to the host.
@@ -103,7 +110,7 @@ class OutputProcessor:
         # NOTE: penalties count the output tokens: those the host had at launch, and the pending one
         outs = [(r.output_ids[:n] + [last[r.uid]] if p else r.output_ids[:n]) if r.params.has_penalty else ()
                 for r, n, p in zip(plan.reqs, plan.known, plan.pending)]
-        return self._draw(plan.reqs, logits, plan.positions, outs, plan.banned)
+        return self._draw(plan.reqs, logits, plan.positions, outs, plan.banned, plan.noise)
 
     def process(self, batch: Any, out: Any, plan: Optional[SamplePlan] = None, drawn: Optional[list] = None) -> None:
         """batch: the ScheduledBatch the forward ran; out: its ForwardOutput; plan, drawn: what its
@@ -137,14 +144,14 @@ class OutputProcessor:
             self._settle(*self._append([reqs[j] for j in live], *drawn, spans=[(j, j + 1) for j in live]))
 
     def _draw(self, reqs: Sequence[Req], logits: torch.Tensor, positions: Sequence[int],
-              outs: Sequence[Sequence[int]], banned: Optional[list]) -> list:
+              outs: Sequence[Sequence[int]], banned: Optional[list], noise: Optional[torch.Tensor] = None) -> list:
         """Samples row i of logits for reqs[i] at positions[i] (its noise's counter), after
         outs[i] (penalties) with banned[i] masked (min_new_tokens), and reads the results to the
         host: [next ids, logprobs, finite] (and top logprobs, top ids)."""
         # NOTE: every row is sampled, finite or not (rows are independent), so that the step reads
         # its results once: ids, logprobs, finiteness (and top logprobs) in one transfer.
         result = sample(logits, [r.params for r in reqs], [r.seed for r in reqs], positions, outs, banned,
-                        [r.top_logprobs_num for r in reqs])
+                        [r.top_logprobs_num for r in reqs], noise=noise)
         # NOTE: a row is finite iff 0 * row sums to 0 (inf and NaN give NaN): 3 cheap ops where
         # isfinite().all() costs more than the whole log-softmax on CPU
         columns = [result.next_ids, result.logprobs, (logits * 0).sum(dim=-1) == 0]   # [B] each

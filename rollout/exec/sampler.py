@@ -190,9 +190,11 @@ def _process(logits: torch.Tensor, params: Sequence[SamplingParams],
 
 def sample(logits: torch.Tensor, params: Sequence[SamplingParams], seeds: Sequence[int],
            positions: Sequence[int], output_ids: Sequence[Sequence[int]],
-           banned_ids: Optional[Sequence[Sequence[int]]], top_logprobs_num: Sequence[int]) -> SampleResult:
+           banned_ids: Optional[Sequence[Sequence[int]]], top_logprobs_num: Sequence[int],
+           noise: Optional[torch.Tensor] = None) -> SampleResult:
     """logits: [B, V] fp32. banned_ids[b]: tokens masked for row b (eos/stop before min_new_tokens);
-    None when no row bans any."""
+    None when no row bans any. noise: counter_uniform(seeds, positions) [B] when the caller hashed
+    it already (the engine does, before the forward)."""
     logits = logits.float()
     vocab = logits.shape[1]
     dev = logits.device   # NOTE: every tensor made here goes there (the noise is hashed on the host), staged
@@ -216,8 +218,12 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams], seeds: Sequen
         # NOTE: the inverse CDF (float64, over the row) runs on the sampled rows only, and for rows
         # cut to a few candidates over those alone
         rows = None if not any(is_greedy) else [i for i, g in enumerate(is_greedy) if not g]
-        u = to_device(counter_uniform(seeds if rows is None else [seeds[i] for i in rows],
-                                      positions if rows is None else [positions[i] for i in rows]), dev)
+        if noise is None:
+            u = counter_uniform(seeds if rows is None else [seeds[i] for i in rows],
+                                positions if rows is None else [positions[i] for i in rows])
+        else:
+            u = noise if rows is None else noise[rows]
+        u = to_device(u, dev)
         pick = None if rows is None else to_device(torch.tensor(rows, dtype=torch.int64), dev)
         if kept is not None:
             lp, ids = (kept_lp, kept.ids) if pick is None else (kept_lp[pick], kept.ids[pick])
