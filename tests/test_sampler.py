@@ -123,3 +123,14 @@ def test_noise_hashed_by_the_caller_draws_what_sample_hashes_itself():
         got = sample(logits, params, [0] * 6, [0] * 6, [[]] * 6, None, [0] * 6,
                      noise=counter_uniform(seeds, positions))
         assert torch.equal(got.next_ids, want.next_ids) and torch.equal(got.logprobs, want.logprobs)
+
+
+@pytest.mark.parametrize("kw", [dict(temperature=1.0), dict(temperature=0.7), dict(temperature=1.0, top_k=5)])
+def test_raw_logprobs_are_the_unprocessed_log_softmax(kw):
+    torch.manual_seed(4)
+    logits = torch.randn(5, 700) * 3
+    params = [SamplingParams(**kw, logprob_mode="raw")] * 5
+    out = sample(logits, params, list(range(5)), [2] * 5, [[]] * 5, None, [3] * 5)
+    want = torch.log_softmax(logits, -1)
+    assert torch.equal(out.logprobs, want.gather(1, out.next_ids[:, None]).squeeze(1))
+    assert torch.equal(out.top_logprobs, torch.topk(want, 3, -1).values)

@@ -241,7 +241,8 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams], seeds: Sequen
             processed_lp[greedy] = torch.log_softmax(scaled[greedy], dim=-1)
     per_mode = {}
     if "raw" in modes:
-        per_mode["raw"] = torch.log_softmax(logits, dim=-1)
+        # NOTE: at temperature 1 without a cut the processed distribution is this one (computed once)
+        per_mode["raw"] = processed_lp if processed is logits and processed_lp is not None else torch.log_softmax(logits, dim=-1)
     if "scaled" in modes:
         per_mode["scaled"] = processed_lp if processed is scaled else torch.log_softmax(scaled, dim=-1)
     if "processed" in modes:
