@@ -150,7 +150,8 @@ class OutputProcessor:
         host: [next ids, logprobs, finite] (and top logprobs, top ids)."""
         # NOTE: every row is sampled, finite or not (rows are independent), so that the step reads
         # its results once: ids, logprobs, finiteness (and top logprobs) in one transfer.
-        result = sample(logits, [r.params for r in reqs], [r.seed for r in reqs], positions, outs, banned,
+        seeds = [r.seed for r in reqs] if noise is None else ()   # NOTE: hashed into the noise already
+        result = sample(logits, [r.params for r in reqs], seeds, positions, outs, banned,
                         [r.top_logprobs_num for r in reqs], noise=noise)
         # NOTE: a row is finite iff 0 * row sums to 0 (inf and NaN give NaN): 3 cheap ops where
         # isfinite().all() costs more than the whole log-softmax on CPU
