@@ -1,6 +1,6 @@
-"""Host memory of a long-running CPU engine: oneDNN's shape-keyed kernel caches stay bounded, and
-the engine loop gives free heap pages back when it falls idle (scripts/soak.py measures the whole
-GRPO loop; these guard the two mechanisms cheaply)."""
+"""Host memory of a long-running CPU engine: oneDNN's shape-keyed kernel caches stay bounded, the
+engine loop gives free heap pages back when it falls idle, and large buffers are zeroed without
+being written (scripts/soak.py measures the whole GRPO loop; these guard the mechanisms cheaply)."""
 from __future__ import annotations
 
 import json
@@ -14,7 +14,7 @@ import torch
 
 from rollout.core import engine_proc
 from rollout.core.engine_proc import EngineLoop
-from rollout.host_malloc import ONEDNN_CACHE_VARIABLES, bound_onednn_caches
+from rollout.host_malloc import ONEDNN_CACHE_VARIABLES, bound_onednn_caches, zero_lazily
 from rollout.ipc.messages import Shutdown
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -131,3 +131,35 @@ def test_engine_loop_trims_the_heap_once_per_idle_spell(monkeypatch):
     core.device = torch.device("meta")   # NOTE: any device other than the CPU: no trim
     EngineLoop(core, _Endpoint(core, total=20, feed={})).run()
     assert trims == []
+
+
+def _resident_bytes() -> int:
+    return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="Linux's /proc/self/maps and statm")
+def test_zero_lazily_gives_written_pages_back_and_keeps_the_bytes_around_it():
+    """A resident buffer of garbage, viewed at an offset that is no page boundary: every byte of
+    the view reads zero afterwards, the bytes before and after it keep their values, and most of
+    its pages left the process's resident memory (they were dropped, not written)."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    n = 64 * 2**20 // 4
+    base = torch.full((n + 8,), 7.0)
+    view = base[3:n + 5]
+    before = _resident_bytes()
+    assert zero_lazily(view) is view
+    dropped = before - _resident_bytes()
+    assert bool((view == 0).all())
+    assert base[:3].tolist() == [7.0] * 3 and base[n + 5:].tolist() == [7.0] * 3
+    assert dropped > (n * 4 - 2 * page) // 2, dropped
+
+
+def test_zero_lazily_writes_zeros_where_dropping_pages_would_not_zero_them():
+    """Shared memory (its dropped pages would read back the shared contents), a strided view and a
+    buffer smaller than a page are zeroed by writing; each reads zero after."""
+    shared = torch.full((2**20,), 3.0).share_memory_()
+    pairs = torch.full((2**20, 2), 5.0)
+    small = torch.full((7,), 1.0)
+    for t in (shared, pairs[:, 0], small):
+        assert bool((zero_lazily(t) == 0).all())
+    assert bool((pairs[:, 1] == 5.0).all())

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -413,16 +414,19 @@ TestRadixCacheMachine.settings = settings(
     suppress_health_check=[HealthCheck.too_slow])
 
 
-def test_cpu_kv_pool_asks_for_huge_pages():
-    """The pool's buffers are zero and, on a Linux kernel with transparent huge pages, advised
-    to use them (attention gathers rows from all over the pool)."""
-    from rollout.host_malloc import HUGE_PAGE_BYTES, advise_huge_pages
+def test_cpu_kv_pool_is_zero_without_being_resident():
+    """The pool's buffers read as zero, and constructing it leaves them unwritten: the process's
+    resident memory grows by a small part of the pool's bytes (pages fault in as slots are used)."""
+    if not Path("/proc/self/statm").exists():
+        pytest.skip("resident memory is read from Linux's /proc/self/statm")
 
-    pool = KVPool(num_slots=4096, num_layers=2, num_kv_heads=2, head_dim=64, dtype=torch.float32)
+    def resident() -> int:
+        return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    before = resident()
+    pool = KVPool(num_slots=2**16, num_layers=4, num_kv_heads=2, head_dim=64, dtype=torch.float32)
+    grew = resident() - before
+    nbytes = sum(b.numel() * b.element_size() for b in pool.kv_buffers)
+    assert nbytes == 4 * (2**16 + 1) * 2 * 2 * 64 * 4
+    assert grew < nbytes // 8, (grew, nbytes)
     assert all(bool((b == 0).all()) for b in pool.kv_buffers)
-    assert not advise_huge_pages(torch.empty(16))                          # less than one huge page
-    assert not advise_huge_pages(torch.empty(4 * HUGE_PAGE_BYTES // 4)[::2])  # not contiguous
-    thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
-    if not thp.exists() or "[never]" in thp.read_text():
-        pytest.skip("no transparent huge pages on this kernel")
-    assert advise_huge_pages(torch.empty(4 * HUGE_PAGE_BYTES // 4))

@@ -16,6 +16,7 @@ from typing import Any, Iterable, Optional
 
 import torch
 
+from rollout.host_malloc import zero_lazily
 from rollout.ipc.control_values import MEMORY_TAGS as TAGS
 
 
@@ -88,7 +89,7 @@ class MemorySaver:
             for t, nbytes in held:
                 t.untyped_storage().resize_(nbytes)
                 if tag == "kv_cache":
-                    t.zero_()
+                    zero_lazily(t)
             if tag == "weights":
                 self._restore_weights([t for t, _ in held])
             done.append(tag)

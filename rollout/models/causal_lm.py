@@ -75,7 +75,10 @@ class MoeCausalLM(nn.Module):
         super().__init__()
         self.spec = spec
         self.model = nn.Module()
-        self.model.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        # NOTE: no random init (the loader writes every weight): Embedding's normal_ imports
+        # torch._dynamo, over a second of every engine's startup, even on the meta device
+        self.model.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size,
+                                               _weight=torch.empty(spec.vocab_size, spec.hidden_size))
         self.model.layers = nn.ModuleList(DecoderLayer(spec, i) for i in range(spec.num_hidden_layers))
         self.model.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         # NOTE: tied embeddings have no lm_head module at all (so no tie can break on .to/.to_empty);
