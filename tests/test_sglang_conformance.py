@@ -390,11 +390,13 @@ def test_release_and_resume_memory_occupation(server, client):
     # NOTE: the KV pool and the weights live in the engine process (the server's child)
     (proc,) = [p for p in psutil.Process(server._server.proc.pid).children()
                if "rollout.core.engine_proc" in p.cmdline()]
-    rss0 = proc.memory_info().rss
+    mem0 = proc.memory_info()
     r = client.post("/release_memory_occupation", json={"tags": ["kv_cache", "weights"]})
     assert r.status_code == 200 and r.json()["released"] == ["weights", "kv_cache"], r.text
-    # the KV pool (512 MiB by default) and the weights' storage went back to the OS
-    assert proc.memory_info().rss < rss0 - 64 * 2**20, (rss0, proc.memory_info().rss)
+    # the KV pool (512 MiB by default, resident only where slots were used) and the weights'
+    # storage went back to the OS: unmapped from the process
+    mem = proc.memory_info()
+    assert mem.vms < mem0.vms - 256 * 2**20, (mem0, mem)
     refused = client.post("/generate", json={"input_ids": ids, "sampling_params": greedy})
     assert refused.status_code == 400 and "resume_memory_occupation" in refused.json()["error"]["message"]
     r = client.post("/update_weights_from_disk", json={"model_path": DEFAULT_MODEL_PATH})
