@@ -76,6 +76,22 @@ def worker(repeats: int) -> dict:
     return out
 
 
+def print_side_by_side(runs: dict[str, list[dict]], names: list[str], what: str, column: str, value: str,
+                       ratio: str) -> dict[str, dict[str, float]]:
+    """Prints a markdown table of each case's median per tree (runs: tree name -> its rounds, each a
+    case -> value dict), and each later tree's ratio to the first; returns the medians."""
+    cases = list(runs[names[0]][0])
+    table = {name: {c: statistics.median(r[c] for r in runs[name]) for c in cases} for name in names}
+    first = names[0]
+    print(f"| {what} | " + " | ".join(column.format(name) for name in names)
+          + "".join(f" | {name} / {first}" for name in names[1:]) + " |")
+    print("|---|" + "---:|" * (2 * len(names) - 1))
+    for c in cases:
+        print(f"| {c} | " + " | ".join(value.format(table[name][c]) for name in names)
+              + "".join(" | " + ratio.format(table[name][c] / table[first][c]) for name in names[1:]) + " |")
+    return table
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tree", action="append", default=[], help="NAME=PATH of a source tree (default: this=.)")
@@ -97,15 +113,7 @@ def main() -> int:
             run = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", "--repeats", str(args.repeats)],
                                  env=env, cwd=os.path.abspath(path), capture_output=True, text=True, check=True)
             results[name].append(json.loads(run.stdout.strip().splitlines()[-1]))
-    cases = list(results[trees[0][0]][0])
-    table = {name: {c: statistics.median(r[c] for r in results[name]) for c in cases} for name, _ in trees}
-    first = trees[0][0]
-    print("| path | " + " | ".join(f"{name} (ms)" for name, _ in trees)
-          + "".join(f" | {name} / {first}" for name, _ in trees[1:]) + " |")
-    print("|---|" + "---:|" * (2 * len(trees) - 1))
-    for c in cases:
-        print(f"| {c} | " + " | ".join(f"{table[name][c]:.1f}" for name, _ in trees)
-              + "".join(f" | {table[name][c] / table[first][c]:.3f}x" for name, _ in trees[1:]) + " |")
+    table = print_side_by_side(results, [name for name, _ in trees], "path", "{} (ms)", "{:.1f}", "{:.3f}x")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"rounds": args.rounds, "medians_ms": table, "runs": results}, f, indent=1)

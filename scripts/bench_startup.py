@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import time
@@ -23,7 +22,9 @@ import urllib.request
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
+sys.path.insert(0, os.path.join(REPO, "scripts"))
 
+from bench_host_paths import print_side_by_side  # noqa: E402
 from rollout.config import DEFAULT_MODEL_PATH  # noqa: E402
 
 PROMPT = [5, 17, 42, 99, 7, 3, 11, 64]
@@ -44,7 +45,6 @@ print(json.dumps({"import": t_import - t0, "ready": t_ready - t0, "first_result"
 
 def _env(tree: str) -> dict:
     env = dict(os.environ, PYTHONPATH=tree, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", WANDB_MODE="offline")
-    env.pop("ROLLOUT_CONFIG", None)
     return env
 
 
@@ -106,15 +106,9 @@ def main(argv=None) -> int:
             run |= {f"server {k}": v for k, v in server_startup(path, args.model_path).items()}
             runs[name].append(run)
             print(name, {k: round(v, 2) for k, v in run.items()}, flush=True)
-    cases = list(runs[trees[0][0]][0])
-    table = {name: {c: statistics.median(r[c] for r in runs[name]) for c in cases} for name, _ in trees}
-    first = trees[0][0]
-    print(f"\n| seconds from launch (median of {args.rounds}) | " + " | ".join(name for name, _ in trees)
-          + "".join(f" | {name} / {first}" for name, _ in trees[1:]) + " |")
-    print("|---|" + "---:|" * (2 * len(trees) - 1))
-    for c in cases:
-        print(f"| {c} | " + " | ".join(f"{table[name][c]:.2f}" for name, _ in trees)
-              + "".join(f" | {table[name][c] / table[first][c]:.2f}x" for name, _ in trees[1:]) + " |")
+    print()
+    table = print_side_by_side(runs, [name for name, _ in trees], f"seconds from launch (median of {args.rounds})",
+                               "{}", "{:.2f}", "{:.2f}x")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"trees": dict(trees), "rounds": args.rounds, "runs": runs, "medians": table}, f, indent=1)
